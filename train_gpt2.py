@@ -210,7 +210,7 @@ class GPT(nn.Module):
                 config_file = hf_hub_download(repo, "config.json")
                 weights_file = hf_hub_download(repo, "model.safetensors")
             except Exception as e:
-                raise SystemExit(f"error: could not fetch {repo} from the Hugging Face hub ({type(e).__name__}: {e}); "
+                raise SystemExit(f"error: could not fetch {repo} from the Hugging Face hub ({one_line(e)}); "
                                  "download config.json and model.safetensors into a directory and pass its path instead")
         elif os.path.isdir(name_or_path):
             config_file = os.path.join(name_or_path, "config.json")
@@ -230,7 +230,7 @@ class GPT(nn.Module):
         try:
             theirs = load_file(weights_file)
         except Exception as e:
-            raise SystemExit(f"error: cannot read {weights_file}: {e}")
+            raise SystemExit(f"error: cannot read {weights_file}: {one_line(e)}")
         # save_pretrained() writes 'transformer.h.0...', OpenAI's upload has no prefix; the attention
         # 'bias' buffers are causal masks, and lm_head is tied to wte, so neither is loaded
         theirs = {k.removeprefix("transformer."): v for k, v in theirs.items()
@@ -269,6 +269,12 @@ class GPT(nn.Module):
         return optimizer, fused
 
 
+def one_line(e):
+    """An exception as one line: errors we report must fit on one."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
 PRETRAINED_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 PADDED_VOCAB_SIZE = 50304  # 50257 rounded up to a multiple of 128: friendlier matrix shapes
 
@@ -285,7 +291,7 @@ def open_shard(path, min_tokens):
     try:
         tokens = np.load(path, mmap_mode="r", allow_pickle=False)
     except Exception as e:
-        raise SystemExit(f"error: cannot read shard {path}: {e}")
+        raise SystemExit(f"error: cannot read shard {path}: {one_line(e)}")
     if tokens.dtype != np.uint16 or tokens.ndim != 1:
         raise SystemExit(f"error: shard {path} holds {tokens.dtype} of shape {tokens.shape}, expected a 1-D uint16 array")
     if len(tokens) < min_tokens:
@@ -369,40 +375,62 @@ def val_batches(data_dir, T, val_tokens, B, rank, world_size):
 
 
 def detect_launch(env=os.environ):
-    """(rank, world_size, local_rank, local_world_size, launcher) from the launcher's variables."""
-    def ints(*names):
-        return tuple(int(env[n]) for n in names)
-    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun
-        rank, world = ints("RANK", "WORLD_SIZE")
-        local_rank = int(env.get("LOCAL_RANK", 0))
-        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-        return rank, world, local_rank, local_world, "torchrun"
-    if "OMPI_COMM_WORLD_RANK" in env:  # Open MPI's mpirun
-        return (*ints("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                      "OMPI_COMM_WORLD_LOCAL_SIZE"), "openmpi")
-    if "PMI_RANK" in env and "PMI_SIZE" in env:  # MPICH and Intel MPI (hydra)
-        rank, world = ints("PMI_RANK", "PMI_SIZE")
-        local_rank = int(env.get("MPI_LOCALRANKID", 0))
-        local_world = int(env.get("MPI_LOCALNRANKS", 1))
-        return rank, world, local_rank, local_world, "mpich"
-    # Slurm: only inside a job step (srun). Under salloc/sbatch itself every process sees SLURM_PROCID=0.
-    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
-        rank, world, local_rank = ints("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
-        # SLURM_STEP_TASKS_PER_NODE looks like "2(x3),1": tasks on each node, in node order
+    """(rank, world_size, local_rank, local_world_size, launcher) from the launcher's variables.
+
+    No flags needed: every launcher already tells each process who it is, each under its own
+    names. The order matters where they overlap (mpirun inside a Slurm allocation sees both).
+    A missing local size is taken as 1, i.e. "this job may span hosts", which only has the
+    effect of insisting on an explicit MASTER_ADDR."""
+    def read(name, default=None):
+        value = env.get(name, default)
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise SystemExit(f"error: launcher variable {name}={value!r} is not an integer") from None
+
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun (or set by hand)
+        launcher = "torchrun"
+        rank, world = read("RANK"), read("WORLD_SIZE")
+        local_rank, local_world = read("LOCAL_RANK", 0), read("LOCAL_WORLD_SIZE", world)
+    elif "OMPI_COMM_WORLD_RANK" in env:  # Open MPI's mpirun
+        launcher = "openmpi"
+        rank, world = read("OMPI_COMM_WORLD_RANK"), read("OMPI_COMM_WORLD_SIZE")
+        local_rank, local_world = read("OMPI_COMM_WORLD_LOCAL_RANK", 0), read("OMPI_COMM_WORLD_LOCAL_SIZE", 1)
+    elif "PMI_RANK" in env and "PMI_SIZE" in env:  # MPICH and Intel MPI (their hydra launcher)
+        launcher = "mpich"
+        rank, world = read("PMI_RANK"), read("PMI_SIZE")
+        local_rank, local_world = read("MPI_LOCALRANKID", 0), read("MPI_LOCALNRANKS", 1)
+    elif "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
+        # Slurm, but only inside a job step (srun): under salloc or sbatch, every process started
+        # without srun inherits the allocation's SLURM_PROCID=0 and would believe it is rank 0.
+        launcher = "slurm"
+        rank, world, local_rank = read("SLURM_PROCID"), read("SLURM_NTASKS", 1), read("SLURM_LOCALID", 0)
+        # SLURM_STEP_TASKS_PER_NODE looks like "2(x3),1": the number of tasks on each node, in node order
         per_node = []
         for part in env.get("SLURM_STEP_TASKS_PER_NODE", str(world)).split(","):
             m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+            if not m:
+                raise SystemExit(f"error: cannot parse SLURM_STEP_TASKS_PER_NODE={env['SLURM_STEP_TASKS_PER_NODE']!r}")
             per_node += [int(m.group(1))] * int(m.group(2) or 1)
-        local_world = per_node[int(env.get("SLURM_NODEID", 0))] if per_node else world
-        return rank, world, local_rank, local_world, "slurm"
-    return 0, 1, 0, 1, "single"
+        node = read("SLURM_NODEID", 0)
+        local_world = per_node[node] if node < len(per_node) else 1
+    else:
+        return 0, 1, 0, 1, "single"
+    if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
+        raise SystemExit(f"error: inconsistent {launcher} variables: rank {rank} of {world}, "
+                         f"local rank {local_rank} of {local_world}")
+    return rank, world, local_rank, local_world, launcher
 
 
-def physical_cores():
-    """Physical cores this process may run on (hyper-threads share one core's matrix units)."""
-    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+def physical_cores(cpus=None):
+    """Physical cores among the given logical CPUs (default: those this process may run on).
+    Hyper-threads of one core share its vector units, so a matmul thread per hyper-thread
+    only adds contention."""
+    if cpus is None:
+        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cpus = set(cpus)
     try:
-        cores, cpu = set(), None
+        cores = set()
         with open("/proc/cpuinfo") as f:
             info = {}
             for line in f.read().splitlines() + [""]:
@@ -415,18 +443,69 @@ def physical_cores():
                         cores.add((info.get("physical id"), info.get("core id", cpu)))
                     info = {}
         return max(1, len(cores)) if cores else len(cpus)
-    except OSError:
-        return len(cpus)
+    except (OSError, ValueError):
+        return max(1, len(cpus))
+
+
+def cpu_list(cpus):
+    """{0,1,2,3,8} -> '0-3,8', the notation of taskset and /proc/self/status."""
+    out, cpus = [], sorted(cpus)
+    for i, c in enumerate(cpus):
+        if i and c == cpus[i - 1] + 1:
+            out[-1][1] = c
+        else:
+            out.append([c, c])
+    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in out)
 
 
 def choose_backend(requested, device_type):
-    if requested != "auto":
-        return requested
-    try:  # Intel's oneCCL bindings register the 'ccl' backend when imported
-        import oneccl_bindings_for_pytorch  # noqa: F401
-        return "ccl"
-    except ImportError:
+    """The process group backend: oneCCL when Intel's bindings are installed, else PyTorch's own."""
+    if requested in ("ccl", "auto") and device_type in ("cpu", "xpu"):
+        # importing Intel's oneCCL bindings is what registers the 'ccl' backend with torch.distributed
+        try:
+            import oneccl_bindings_for_pytorch  # noqa: F401
+            return "ccl"
+        except ModuleNotFoundError as e:
+            if requested == "ccl" or e.name != "oneccl_bindings_for_pytorch":
+                raise SystemExit(f"error: --backend ccl needs Intel's oneccl_bindings_for_pytorch ({e}); "
+                                 "see requirements-intel.txt, or pass --backend gloo") from None
+        except Exception as e:  # installed but broken (a missing libccl.so, a torch version mismatch)
+            raise SystemExit(f"error: oneccl_bindings_for_pytorch is installed but fails to import "
+                             f"({type(e).__name__}: {e}); fix it, or pass --backend gloo") from None
+    if requested == "auto":
         return {"cuda": "nccl", "xpu": "xccl"}.get(device_type, "gloo")
+    wants = {"ccl": ("cpu", "xpu"), "nccl": ("cuda",), "xccl": ("xpu",), "gloo": ("cpu", "cuda")}[requested]
+    if device_type not in wants:
+        raise SystemExit(f"error: --backend {requested} does not work with --device {device_type}")
+    return requested
+
+
+def find_ipex(mode, device_type):
+    """Intel Extension for PyTorch when --ipex asks for it (on) or allows it (auto) and it can run, else None.
+
+    Optional: Intel stopped developing IPEX after 2.8, and it runs only with the torch minor version
+    it was built for; a mismatch is a clear error with --ipex on and a quiet skip with auto."""
+    if mode == "off":
+        return None
+    if device_type not in ("cpu", "xpu"):
+        if mode == "on":
+            raise SystemExit(f"error: --ipex on needs --device cpu or xpu, not {device_type}")
+        return None
+    import importlib.metadata
+    import importlib.util
+    if importlib.util.find_spec("intel_extension_for_pytorch") is None:
+        if mode == "on":
+            raise SystemExit("error: --ipex on, but intel_extension_for_pytorch is not installed "
+                             "(pip install -r requirements-intel.txt, or pass --ipex off)")
+        return None
+    version = importlib.metadata.version("intel_extension_for_pytorch")
+    if version.split(".")[:2] != torch.__version__.split(".")[:2]:
+        if mode == "on":
+            raise SystemExit(f"error: --ipex on, but intel_extension_for_pytorch {version} needs torch "
+                             f"{'.'.join(version.split('.')[:2])}.*, not {torch.__version__} (see requirements-intel.txt)")
+        return None
+    import intel_extension_for_pytorch as ipex
+    return ipex
 
 
 # -----------------------------------------------------------------------------
@@ -468,7 +547,7 @@ def load_checkpoint(path):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise SystemExit(f"error: cannot load checkpoint {path}: {type(e).__name__}: {e}")
+        raise SystemExit(f"error: cannot load checkpoint {path}: {one_line(e)}")
 
 
 def append_log(log_dir, line):
@@ -515,7 +594,10 @@ def build_parser(defaults=True):
     a("--dtype", choices=["bf16", "fp32"], default=d("bf16"), help="autocast dtype of the forward pass")
     a("--compile", action=argparse.BooleanOptionalAction, default=d(False), help="torch.compile the model")
     a("--device", default=d("auto"), help="auto | cpu | cuda | cuda:N | xpu")
-    a("--backend", choices=["auto", "ccl", "gloo", "nccl", "xccl"], default=d("auto"))
+    a("--backend", choices=["auto", "ccl", "gloo", "nccl", "xccl"], default=d("auto"),
+      help="process group backend; auto = ccl if oneccl_bindings_for_pytorch imports, else gloo (CPU), nccl, xccl")
+    a("--ipex", choices=["auto", "on", "off"], default=d("auto"),
+      help="Intel Extension for PyTorch's ipex.optimize on CPU/XPU; auto = when installed")
     a("--dist_timeout", type=float, default=d(300), help="seconds a collective may wait for the other ranks")
     a("--threads", type=int, default=d(0), help="torch threads per rank (0 = physical cores / ranks per node)")
     a("--seed", type=int, default=d(1337))
@@ -554,7 +636,7 @@ def build_demo_shards(out_dir, max_tokens=8_000_000):
     val = np.concatenate([t for i, t in enumerate(tokens) if i % 20 == 0]).astype(np.uint16)
     train = np.concatenate([t for i, t in enumerate(tokens) if i % 20 != 0]).astype(np.uint16)
     for name, arr in (("demo_val_000000.npy", val), ("demo_train_000001.npy", train)):
-        tmp = os.path.join(out_dir, name + ".tmp.npy")
+        tmp = os.path.join(out_dir, f"{name}.{os.getpid()}.tmp.npy")  # ranks on one host may build at once
         np.save(tmp, arr)
         os.replace(tmp, os.path.join(out_dir, name))
 
@@ -589,7 +671,7 @@ def main(argv=None):
         if not os.path.isfile(ckpt_file):
             raise SystemExit(f"error: --resume: checkpoint {ckpt_file} not found")
         ckpt = load_checkpoint(ckpt_file)  # every rank loads the same file
-        saved = dict(ckpt["args"])
+        saved = {**vars(args), **ckpt["args"]}  # a flag newer than the checkpoint keeps its default
         saved.update({k: v for k, v in given.items() if k in saved})
         saved.update(resume=args.resume, overwrite=False, log_dir=given.get("log_dir", saved["log_dir"]))
         args = argparse.Namespace(**saved)
@@ -604,8 +686,9 @@ def main(argv=None):
                 setattr(args, k, v)
         args.demo = True
         args.data_dir = os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")), "gpt2-cpu", "demo")
-        if master:
-            build_demo_shards(args.data_dir)
+        # every rank builds (or finds) the shards: the cache is per host, and a rank that skipped
+        # this would race rank 0 to read files not yet written
+        build_demo_shards(args.data_dir)
     log_dir = args.log_dir
 
     # --- validate everything cheap before anything expensive --------------------
@@ -639,27 +722,52 @@ def main(argv=None):
     if device_type == "cuda" and world_size > 1:
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
-    if device_type == "cpu":
-        threads = args.threads or max(1, physical_cores() // local_world)
-        torch.set_num_threads(threads)
+    if args.threads < 0:
+        raise SystemExit(f"error: --threads {args.threads} must be 0 (automatic) or positive")
+    if not args.dist_timeout > 0:
+        raise SystemExit(f"error: --dist_timeout {args.dist_timeout} must be a positive number of seconds")
     if world_size > 1:
         import torch.distributed as dist
+        # torchrun sets MASTER_ADDR/MASTER_PORT (where rank 0 listens for the others); MPI and Slurm
+        # do not. On one host the answer is obvious; across hosts only the user knows rank 0's address,
+        # and guessing wrong would leave every rank waiting for --dist_timeout.
         if "MASTER_ADDR" not in os.environ:
             if local_world < world_size:
-                raise SystemExit("error: this job spans several hosts but MASTER_ADDR is not set; export "
-                                 "MASTER_ADDR=<hostname or IP of rank 0's node> (and MASTER_PORT) for every rank, "
-                                 "e.g. mpirun -genv MASTER_ADDR node0 ... or Open MPI's -x MASTER_ADDR")
+                hint = {"mpich": "mpirun -genv MASTER_ADDR <rank 0's host> ...",
+                        "openmpi": "export MASTER_ADDR=<rank 0's host>, then mpirun -x MASTER_ADDR ...",
+                        "slurm": 'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'}
+                # every rank finds the same; rank 0 says it, the others leave quietly
+                raise SystemExit(f"error: this {launcher} job spans several hosts but MASTER_ADDR is not set: export "
+                                 f"MASTER_ADDR=<hostname or IP of rank 0's node> (optionally MASTER_PORT, default 29500) "
+                                 f"for every rank, e.g. {hint.get(launcher, 'MASTER_ADDR=node0 MASTER_PORT=29500')}"
+                                 if master else 1)
             os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ.setdefault("MASTER_PORT", "29500")
         backend = choose_backend(args.backend, device_type)
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=args.dist_timeout))
-        print0(f"distributed: {launcher}, world size {world_size}, backend {backend}, "
-               f"master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        try:  # the timeout bounds both this rendezvous and every later collective
+            dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=args.dist_timeout))
+        except (RuntimeError, ValueError) as e:
+            raise SystemExit(f"error: rank {rank} could not join the {world_size} ranks at {where} "
+                             f"(backend {backend}, --dist_timeout {args.dist_timeout:g}s): {e}") from None
+        print0(f"distributed: {launcher}, world size {world_size}, backend {backend}, master {where}")
     if device_type == "cpu":
-        print0(f"threads: {torch.get_num_threads()} torch threads per rank, {local_world} rank(s) on this node, "
-               f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
-               f"affinity {sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else 'n/a'}")
+        # One matmul thread per physical core, shared among the ranks on this node. A launcher that
+        # pins each rank to its own cores (Intel MPI does by default; mpirun -bind-to core) already
+        # did the dividing: ranks whose CPU sets don't overlap need not divide again.
+        mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+        sharing = local_world
+        if not args.threads and world_size > 1 and local_world > 1:
+            import socket
+            everyone = [None] * world_size
+            dist.all_gather_object(everyone, (socket.gethostname(), sorted(mine)))
+            sharing = min(local_world, sum(h == socket.gethostname() and not mine.isdisjoint(c) for h, c in everyone))
+        torch.set_num_threads(args.threads or max(1, physical_cores(mine) // sharing))
+        print0(f"threads: {torch.get_num_threads()} torch threads per rank "
+               f"({'--threads' if args.threads else f'{physical_cores(mine)} physical cores / {sharing} rank(s)'}), "
+               f"{local_world} rank(s) on this node, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
+               f"affinity {cpu_list(mine)}")
 
     # --- model ----------------------------------------------------------------
     torch.manual_seed(args.seed)  # same initial weights on every rank
@@ -693,11 +801,29 @@ def main(argv=None):
         print0(f"resumed from {ckpt_file} at step {start_step}")
     del ckpt
 
+    # Intel Extension for PyTorch: after any checkpoint is loaded (checkpoints hold plain weights and
+    # optimizer state), before DDP (which must wrap the parameters IPEX trains). inplace: no second copy.
+    ipex = find_ipex(args.ipex, device_type)
+    if ipex is not None:
+        ipex_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+        model, optimizer = ipex.optimize(model, optimizer=optimizer, dtype=ipex_dtype, inplace=True)
+        print0(f"ipex: intel_extension_for_pytorch {ipex.__version__}, optimize(dtype={ipex_dtype}) "
+               f"(--ipex {args.ipex}; --ipex off to train without it)")
+
     raw_model = model
     if args.compile:
         t0 = time.time()
         model = torch.compile(model)
     if world_size > 1:
+        # every rank must continue from the same checkpoint: DDP copies rank 0's weights to the others
+        # when it wraps, but not the optimizer state nor the data position
+        starts = [None] * world_size
+        torch.distributed.all_gather_object(starts, start_step)
+        if len(set(starts)) > 1:
+            raise SystemExit(f"error: the ranks resumed from different steps {starts}: give every rank the same "
+                             "checkpoint (a --log_dir on a shared file system, or the same --resume file)")
+        # DDP averages the gradients across ranks during backward, bucket by bucket, overlapping
+        # communication with the rest of the backward pass
         from torch.nn.parallel import DistributedDataParallel as DDP
         model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
     autocast = (torch.autocast(device_type=device_type, dtype=torch.bfloat16)
@@ -822,7 +948,9 @@ def main(argv=None):
             append_log(log_dir, f"{step} train {loss_accum.item():.6f}")
 
     # every rank must hold the same weights; a checksum per rank proves it
-    digest = hashlib.sha256(b"".join(p.detach().cpu().float().numpy().tobytes() for p in raw_model.parameters())).hexdigest()
+    # (the state dict: full fp32 weights in plain layout, also under IPEX, whose parameters are bf16 halves)
+    weights = raw_model.state_dict()
+    digest = hashlib.sha256(b"".join(weights[k].detach().cpu().float().numpy().tobytes() for k in sorted(weights))).hexdigest()
     if world_size > 1:
         digests = [None] * world_size
         torch.distributed.all_gather_object(digests, digest)
@@ -832,5 +960,24 @@ def main(argv=None):
     print0(f"parameter sha256 (all {world_size} rank(s)): {digest}")
 
 
+def collective_failure(e):
+    """A one-line reason when e is a failed collective (a rank died or hung, the network broke), else None."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    text = str(e)
+    if not (isinstance(e, dist.DistError) or any(s in text for s in ("gloo", "ccl", "Connection", "Timed out"))):
+        return None  # an ordinary bug: keep its traceback
+    reason = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    return (f"error: rank {dist.get_rank()}: a collective with the other ranks failed, so training stops "
+            f"(another rank died or hung past --dist_timeout, or the network failed): {reason}")
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except RuntimeError as e:
+        message = collective_failure(e)
+        if message is None:
+            raise
+        raise SystemExit(message) from None

@@ -1,0 +1,171 @@
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import train_gpt2
+from train_gpt2 import GPT, GPTConfig
+
+SMALL = GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
+
+
+def save_random_hf_gpt2(path, **sizes):
+    """A randomly initialised GPT-2 saved the way the hub stores it (config.json + model.safetensors)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=128, vocab_size=50257, **sizes)
+    hf = GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():  # HF zero-inits biases; make them random so a bias mix-up cannot hide
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.02)
+    hf.save_pretrained(path, safe_serialization=True)
+    return hf
+
+
+def test_logits_equal_transformers(tmp_path):
+    hf = save_random_hf_gpt2(tmp_path)
+    ours = GPT.from_pretrained(str(tmp_path)).eval()
+    assert ours.config == GPTConfig(block_size=128, vocab_size=50257, n_layer=2, n_head=4, n_embd=64)
+    idx = torch.randint(0, 50257, (3, 100), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(idx).logits
+        logits, _ = ours(idx)
+    diff = (logits - ref).abs().max().item()
+    print(f"max abs logit difference vs transformers: {diff:.3e}")
+    assert diff <= 1e-5
+
+
+def test_openai_key_layout_loads(tmp_path):
+    # OpenAI's upload on the hub has no 'transformer.' prefix and no lm_head: both layouts load the same
+    from safetensors.torch import load_file, save_file
+    save_random_hf_gpt2(tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    os.makedirs(tmp_path / "openai")
+    save_file({k.removeprefix("transformer."): v.contiguous() for k, v in tensors.items() if k != "lm_head.weight"},
+              tmp_path / "openai" / "model.safetensors")
+    (tmp_path / "openai" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    a = GPT.from_pretrained(str(tmp_path / "hf"))
+    b = GPT.from_pretrained(str(tmp_path / "openai"))
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert ka == kb and torch.equal(va, vb)
+
+
+def test_from_pretrained_errors(tmp_path):
+    with pytest.raises(SystemExit, match="config.json"):
+        GPT.from_pretrained(str(tmp_path))
+    with pytest.raises(SystemExit, match="neither"):
+        GPT.from_pretrained(str(tmp_path / "nope"))
+    save_random_hf_gpt2(tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg["n_embd"] = 32
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SystemExit, match="shape"):
+        GPT.from_pretrained(str(tmp_path / "hf"))
+
+
+def test_architecture_and_init():
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=64, vocab_size=50304, n_layer=4, n_head=4, n_embd=256)
+    model = GPT(config)
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied
+    assert model.transformer.h[0].mlp.gelu.approximate == "tanh"
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            assert torch.all(p == 0), name
+    residual = model.transformer.h[1].attn.c_proj.weight.std().item()
+    ordinary = model.transformer.h[1].attn.c_attn.weight.std().item()
+    assert abs(ordinary - 0.02) < 0.001
+    assert abs(residual - 0.02 / math.sqrt(2 * 4)) < 0.001
+    assert abs(model.transformer.wpe.weight.std().item() - 0.02) < 0.001
+    x = torch.randint(0, 50304, (2, 16))
+    logits, loss = model(x)
+    assert logits.shape == (2, 16, 50304) and loss is None
+    _, loss = model(x, torch.randint(0, 50304, (2, 16)))
+    assert abs(loss.item() - math.log(50304)) < 0.1  # small init: close to uniform
+
+
+def test_causality():
+    torch.manual_seed(0)
+    model = GPT(SMALL).eval()
+    x = torch.randint(0, 50257, (1, 20))
+    y = x.clone()
+    y[0, 10:] = torch.randint(0, 50257, (10,))
+    with torch.no_grad():
+        a, _ = model(x)
+        b, _ = model(y)
+    assert torch.allclose(a[0, :10], b[0, :10], atol=1e-6)
+    assert not torch.allclose(a[0, 10:], b[0, 10:], atol=1e-3)
+
+
+def test_gradient_accumulation_equals_big_batch():
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    k, B, T = 4, 2, 16
+    x = torch.randint(0, 50257, (k * B, T))
+    y = torch.randint(0, 50257, (k * B, T))
+    _, loss = model(x, y)
+    loss.backward()
+    big = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    for i in range(k):  # what the training loop does: loss / k on each micro-batch
+        _, loss = model(x[i * B:(i + 1) * B], y[i * B:(i + 1) * B])
+        (loss / k).backward()
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, big[n], rtol=1e-4, atol=1e-7), n
+        rel = ((p.grad - big[n]).norm() / big[n].norm()).item()
+        assert rel < 1e-5, (n, rel)
+
+
+def reference_get_lr(it, max_lr, min_lr, warmup_steps, max_steps):
+    # build-nanogpt's get_lr, with its constants made arguments
+    if it < warmup_steps:
+        return max_lr * (it + 1) / warmup_steps
+    if it > max_steps:
+        return min_lr
+    decay_ratio = (it - warmup_steps) / (max_steps - warmup_steps)
+    assert 0 <= decay_ratio <= 1
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
+    return min_lr + coeff * (max_lr - min_lr)
+
+
+def test_lr_schedule_is_build_nanogpts():
+    args = train_gpt2.build_parser().parse_args([])
+    assert (args.max_lr, args.min_lr, args.warmup_steps, args.max_steps) == (6e-4, 6e-5, 715, 19073)
+    for max_lr, min_lr, warmup, max_steps in [(6e-4, 6e-4 * 0.1, 715, 19073), (6e-4, 6e-5, 715, 19073), (3e-3, 0.0, 10, 60)]:
+        for it in list(range(0, 800)) + list(range(800, max_steps + 40, 37)) + [max_steps - 1, max_steps, max_steps + 1]:
+            ours = train_gpt2.get_lr(it, warmup, max_steps, max_lr, min_lr)
+            assert ours == reference_get_lr(it, max_lr, min_lr, warmup, max_steps), it
+
+
+def test_optimizer_groups_and_fused():
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    optimizer, fused = model.configure_optimizer(weight_decay=0.1, learning_rate=1e-3, device_type="cpu")
+    decay, no_decay = optimizer.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))  # tied weight once
+    assert any(p is model.lm_head.weight for p in decay["params"])
+    assert fused is True and decay["fused"] is True  # PyTorch >= 2.4 has fused AdamW on CPU
+    assert decay["betas"] == (0.9, 0.95) and decay["eps"] == 1e-8
+
+
+def test_kv_cache_generation_equals_recompute():
+    torch.manual_seed(0)
+    model = GPT(SMALL).eval()
+    prompt = torch.randint(0, 50257, (2, 5))
+    # runs past block_size (64) to cover the recompute fallback too
+    cached = torch.stack(list(model.generate(prompt, 70, top_k=1)), dim=1)
+    idx = prompt
+    with torch.no_grad():
+        for _ in range(70):
+            logits, _ = model(idx[:, -SMALL.block_size:])
+            idx = torch.cat((idx, logits[:, -1, :50257].argmax(-1, keepdim=True)), dim=1)
+    assert torch.equal(cached, idx[:, 5:])
+    sampled = [torch.stack(list(model.generate(prompt, 20, top_k=50, generator=torch.Generator().manual_seed(3))), 1)
+               for _ in range(2)]
+    assert torch.equal(sampled[0], sampled[1])
+    assert int(sampled[0].max()) < 50257
