@@ -1,0 +1,118 @@
+"""
+Generate text with a GPT-2: one of ours (a train_gpt2.py checkpoint) or OpenAI's.
+
+    python sample.py --ckpt_path log/model_19072.pt --prompt "It is interesting"
+    python sample.py --init_from gpt2 --prompt "Hello, I'm a language model," --num_samples 5
+    python sample.py --init_from gpt2 --top_k 1            # greedy: always the most likely token
+    python sample.py --init_from ./my_gpt2_dir             # config.json + model.safetensors
+
+Each sample is printed token by token as it is generated. Generation uses GPT.generate's KV
+cache: the prompt goes through the model once, and after that each step feeds only the one new
+token, reusing the keys and values of everything before it. Without the cache, step t would run
+all prompt + t tokens through the model again, and the cost of a sample would grow with the
+square of its length. The output is the same either way (tests/test_sample.py checks it).
+"""
+import argparse
+import codecs
+import os
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+
+import tokenizer
+
+
+def load_model(ckpt_path=None, init_from=None):
+    """One of our checkpoints (log/model_XXXXX.pt), or GPT.from_pretrained(gpt2... | folder)."""
+    from train_gpt2 import GPT, GPTConfig, load_checkpoint
+    if ckpt_path:
+        ckpt = load_checkpoint(ckpt_path)
+        model = GPT(GPTConfig(**ckpt["config"]))
+        model.load_state_dict(ckpt["model"])
+        print(f"loaded {ckpt_path} (step {ckpt.get('step', '?')})", file=sys.stderr)
+        return model
+    return GPT.from_pretrained(init_from)
+
+
+def prompt_tokens(prompt, block_size):
+    """Token ids of the prompt: <|endoftext|> when empty (how every training document starts),
+    and only the last block_size tokens when it is longer than the model's context."""
+    ids = tokenizer.encode(prompt) or [tokenizer.EOT]
+    if len(ids) > block_size:
+        print(f"note: the prompt is {len(ids)} tokens, longer than the model's context of {block_size}: "
+              f"keeping its last {block_size}", file=sys.stderr)
+        ids = ids[-block_size:]
+    return ids
+
+
+def stream_sample(model, ids, max_new_tokens, temperature=1.0, top_k=None, generator=None, dtype="fp32",
+                  out=None):
+    """Continue the prompt ids, writing each new token's text to out as soon as it exists.
+
+    A token is a sequence of bytes, and one character (an emoji, a Chinese character) may be
+    split over two tokens: an incremental UTF-8 decoder holds back incomplete characters until
+    the next token completes them, so the stream never shows half a character."""
+    out = out or sys.stdout
+    device = next(model.parameters()).device
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
+    enc = tokenizer.get_encoding()
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    new = []
+    idx = torch.tensor([ids], dtype=torch.long, device=device)
+    with autocast:
+        for next_id in model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator):
+            token = int(next_id[0])
+            new.append(token)
+            out.write(utf8.decode(enc.decode_single_token_bytes(token)))
+            out.flush()
+    out.write(utf8.decode(b"", final=True))
+    return new
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Sample text from a GPT-2 (ours or OpenAI's), with a KV cache.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--ckpt_path", help="a checkpoint written by train_gpt2.py, e.g. log/model_19072.pt")
+    src.add_argument("--init_from", help="gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a Hugging Face-layout folder")
+    p.add_argument("--prompt", default="Hello, I'm a language model,", help="text to continue ('' = from scratch)")
+    p.add_argument("--num_samples", type=int, default=5)
+    p.add_argument("--max_new_tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=1.0, help="<1 sharper, >1 more random, 0 = greedy")
+    p.add_argument("--top_k", type=int, default=50, help="sample among the k most likely tokens (0 = all; 1 = greedy)")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | xpu | mps")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="autocast dtype of the forward pass")
+    args = p.parse_args(argv)
+
+    # every cheap check before loading a model
+    if args.ckpt_path and not os.path.isfile(args.ckpt_path):
+        raise SystemExit(f"error: --ckpt_path {args.ckpt_path} not found")
+    for flag in ("num_samples", "max_new_tokens", "top_k", "temperature"):
+        if getattr(args, flag) < (1 if flag == "num_samples" else 0):
+            raise SystemExit(f"error: --{flag} must be {'positive' if flag == 'num_samples' else '>= 0'}")
+    if args.device == "auto":
+        args.device = ("cuda" if torch.cuda.is_available() else
+                       "xpu" if hasattr(torch, "xpu") and torch.xpu.is_available() else "cpu")
+
+    model = load_model(args.ckpt_path, args.init_from)
+    model.to(args.device).eval()
+    ids = prompt_tokens(args.prompt, model.config.block_size)
+    # one generator, seeded once: the same command prints the same samples
+    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    t0, n = time.time(), 0
+    for i in range(args.num_samples):
+        print(f"--- sample {i + 1}/{args.num_samples}", flush=True)
+        if args.prompt:
+            print(tokenizer.decode(ids), end="", flush=True)
+        n += len(stream_sample(model, ids, args.max_new_tokens, args.temperature, args.top_k or None,
+                               generator, args.dtype))
+        print(flush=True)
+    dt = time.time() - t0
+    print(f"{n} tokens in {dt:.1f}s: {n / max(dt, 1e-9):.1f} tokens/s ({args.device}, {args.dtype}, KV cache)",
+          file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

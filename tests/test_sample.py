@@ -1,0 +1,159 @@
+"""sample.py: KV-cached generation equals recomputing everything, seeds, and both model sources."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import sample
+import tokenizer
+from conftest import REPO, make_shards, run_train, tiny_run_args
+from train_gpt2 import GPT
+
+PROMPT = "It is interesting"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread (and leave the other cores to other jobs)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A real checkpoint of a tiny training run (context 64 tokens)."""
+    root = tmp_path_factory.mktemp("run")
+    run_train(tiny_run_args(make_shards(root / "data"), root / "log", "--max_steps", "3"))
+    return str(root / "log" / "model_00003.pt")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A local Hugging Face-layout GPT-2 (config.json + model.safetensors), random weights."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("hf") / "tiny-gpt2"
+    GPT2LMHeadModel(GPT2Config(n_positions=64, n_embd=32, n_layer=2, n_head=2)).save_pretrained(path)
+    return str(path)
+
+
+@torch.no_grad()
+def no_cache_generate(model, ids, n, temperature, top_k, generator):
+    """The plain way: run the whole sequence (its last block_size tokens) through the model every step."""
+    idx = torch.tensor([ids])
+    for _ in range(n):
+        logits = model(idx[:, -model.config.block_size:])[0][:, -1, :tokenizer.VOCAB_SIZE].float()
+        if temperature == 0 or top_k == 1:
+            next_id = logits.argmax(-1, keepdim=True)
+        else:
+            probs = F.softmax(logits / temperature, dim=-1)
+            if top_k:
+                probs, top = torch.topk(probs, top_k, dim=-1)
+                next_id = torch.gather(top, -1, torch.multinomial(probs, 1, generator=generator))
+            else:
+                next_id = torch.multinomial(probs, 1, generator=generator)
+        idx = torch.cat((idx, next_id), dim=1)
+    return idx[0, len(ids):].tolist()
+
+
+def expected_output(model, prompt, num_samples, n, temperature, top_k, seed):
+    """What sample.py should print to stdout, computed without a KV cache."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = tokenizer.encode(prompt)[-model.config.block_size:] or [tokenizer.EOT]
+    out = ""
+    for i in range(num_samples):
+        new = no_cache_generate(model, ids, n, temperature, top_k, gen)
+        out += f"--- sample {i + 1}/{num_samples}\n" + (tokenizer.decode(ids) if prompt else "") + tokenizer.decode(new) + "\n"
+    return out
+
+
+def run_main(capsys, *argv):
+    sample.main(["--device", "cpu", *map(str, argv)])
+    return capsys.readouterr()
+
+
+def load(ckpt):
+    return sample.load_model(ckpt_path=ckpt).eval()
+
+
+# 70 new tokens after a 3-token prompt runs past the 64-token context: the cache's fallback is covered too
+@pytest.mark.parametrize("flags", [
+    dict(top_k=1, temperature=1.0),  # greedy
+    dict(top_k=50, temperature=0.8),  # top-k sampling
+    dict(top_k=0, temperature=1.5),  # sampling from the whole vocabulary
+])
+def test_kv_cache_equals_full_recompute(capsys, ckpt, flags):
+    out = run_main(capsys, "--ckpt_path", ckpt, "--prompt", PROMPT, "--num_samples", 2, "--max_new_tokens", 70,
+                   "--seed", 7, "--top_k", flags["top_k"], "--temperature", flags["temperature"])
+    want = expected_output(load(ckpt), PROMPT, 2, 70, flags["temperature"], flags["top_k"], 7)
+    assert out.out == want
+    assert "140 tokens" in out.err
+
+
+def test_deterministic_for_a_seed(capsys, ckpt):
+    args = ["--ckpt_path", ckpt, "--num_samples", 2, "--max_new_tokens", 20]
+    a = run_main(capsys, *args, "--seed", 1).out
+    assert a == run_main(capsys, *args, "--seed", 1).out
+    b = run_main(capsys, *args, "--seed", 2).out
+    assert a != b
+    first, second = a.split("--- sample 2/2\n")
+    assert first.removeprefix("--- sample 1/2\n") != second  # two samples, not one repeated
+
+
+def test_hf_layout_directory(capsys, hf_dir):
+    from transformers import GPT2LMHeadModel
+    out = run_main(capsys, "--init_from", hf_dir, "--prompt", PROMPT, "--num_samples", 1, "--max_new_tokens", 20,
+                   "--top_k", 1).out
+    model = GPT.from_pretrained(hf_dir).eval()
+    assert out == expected_output(model, PROMPT, 1, 20, 1.0, 1, 42)
+    # and the same greedy continuation as transformers' own implementation of that model
+    hf = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    ids = torch.tensor([tokenizer.encode(PROMPT)])
+    with torch.no_grad():
+        theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                             pad_token_id=tokenizer.EOT)
+    assert out.endswith(tokenizer.decode(theirs[0].tolist()) + "\n")
+
+
+def test_empty_prompt_starts_from_eot(capsys, ckpt):
+    out = run_main(capsys, "--ckpt_path", ckpt, "--prompt", "", "--num_samples", 1, "--max_new_tokens", 10,
+                   "--top_k", 1).out
+    assert out == expected_output(load(ckpt), "", 1, 10, 1.0, 1, 42)
+
+
+def test_long_prompt_is_cropped(capsys, ckpt):
+    prompt = "one two three four five six seven eight nine ten " * 10  # 100 tokens > 64
+    out = run_main(capsys, "--ckpt_path", ckpt, "--prompt", prompt, "--num_samples", 1, "--max_new_tokens", 5,
+                   "--top_k", 1)
+    assert out.out == expected_output(load(ckpt), prompt, 1, 5, 1.0, 1, 42)
+    assert "keeping its last 64" in out.err
+
+
+def test_padded_vocab_is_never_sampled(ckpt):
+    model = load(ckpt)
+    with torch.no_grad():  # make the padded ids (50257..50303) by far the most likely ones
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.fill_(1.0)
+        model.lm_head.weight[tokenizer.VOCAB_SIZE:] = 10.0
+    assert model.config.vocab_size > tokenizer.VOCAB_SIZE
+    gen = torch.Generator().manual_seed(0)
+    for top_k in (None, 1, 100):
+        new = sample.stream_sample(model, [tokenizer.EOT], 50, top_k=top_k, generator=gen, out=open(os.devnull, "w"))
+        assert len(new) == 50 and max(new) < tokenizer.VOCAB_SIZE
+
+
+def test_command_line(ckpt, tmp_path):
+    """The documented form, in a fresh process; and a missing checkpoint is one clear line."""
+    cmd = [sys.executable, os.path.join(REPO, "sample.py"), "--ckpt_path", ckpt, "--prompt", PROMPT,
+           "--num_samples", "2", "--max_new_tokens", "8", "--device", "cpu"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count(f"\n{PROMPT}") == 2
+    proc = subprocess.run(cmd[:3] + [str(tmp_path / "nope.pt")], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode != 0 and proc.stderr.strip() == f"error: --ckpt_path {tmp_path / 'nope.pt'} not found"
