@@ -269,3 +269,37 @@ def test_demo_runs_end_to_end(tmp_path):
     val = read_log(tmp_path / "log", "val")
     assert sorted(val) == [0, 3] and val[3] < val[0]
     assert os.path.exists(tmp_path / "log" / "model_00003.pt")
+
+
+# ----------------------------------------------------------------------------- fine-tuning
+
+def test_finetune_from_pretrained_dir_and_from_checkpoint(tmp_path, shards):
+    from test_model import save_random_hf_gpt2
+    save_random_hf_gpt2(tmp_path / "hf")  # a GPT-2 in the hub's layout, context 128, vocab 50257
+    out = run_train(tiny_run_args(shards, tmp_path / "ft", "--init_from", tmp_path / "hf", "--max_steps", "2")).stdout
+    assert "vocab_size=50257" in out and "n_embd=64" in out  # sizes come from config.json, vocab not padded
+    ckpt = torch.load(tmp_path / "ft" / "model_00002.pt", weights_only=True)
+    assert ckpt["config"]["block_size"] == 128
+    # and on from our own checkpoint, with a fresh optimizer and schedule
+    out = run_train(tiny_run_args(shards, tmp_path / "ft2", "--init_from", tmp_path / "ft" / "model_00002.pt",
+                                  "--max_steps", "1")).stdout
+    assert "n_embd=64" in out
+    assert sorted(read_log(tmp_path / "ft2", "train")) == [0]
+
+
+def test_device_flag_errors(tmp_path, shards):
+    expect_error(tiny_run_args(shards, tmp_path / "log", "--device", "tpu"), "--device")
+    if not torch.cuda.is_available():
+        expect_error(tiny_run_args(shards, tmp_path / "log", "--device", "cuda"), "--device", "cuda")
+
+
+def test_short_last_shard_is_used_not_refused(tmp_path):
+    # fineweb.py's last train shard can be shorter than one sequence: it just holds no block
+    data = make_shards(tmp_path / "data", train_tokens=(3000, 20))
+    run_train(tiny_run_args(data, tmp_path / "log", "--max_steps", "2"))
+    loader = DataLoader(data, "train", 4, 32)
+    everything = epoch_blocks(data, 32)
+    seen = [b for _ in range(len(everything) // 4 + 1) for b in blocks_of(loader.next_batch()[0])]
+    assert sorted(seen[:len(everything)]) == sorted(everything)
+    tiny = make_shards(tmp_path / "tiny", train_tokens=(20, 30))
+    expect_error(tiny_run_args(tiny, tmp_path / "log2"), "fewer than the 33 tokens", "tiny_train_000001.npy")

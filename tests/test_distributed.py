@@ -1,0 +1,431 @@
+"""Data parallel training, proven equal to one process: torchrun, mpirun, three hosts in network
+namespaces, resume, a killed or hung rank, and the launch detection each of them relies on.
+
+The equality tests compare against one process that accumulates the same total batch in more
+micro-steps: 384 tokens per step = 2 sequences x 32 tokens x (6 micro-steps on 1 rank,
+3 on each of 2 ranks, 2 on each of 3 ranks). Same data, same mean gradient; only the order of
+floating point sums differs, so losses agree to about 1e-6.
+
+Tools a test needs (mpirun, ip) are skipped where missing, except under CI=true, where
+.ci/install-system has installed them and a skip would hide a failure.
+"""
+import contextlib
+import hashlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, make_shards, read_log, run_train, tiny_run_args
+
+from train_gpt2 import DataLoader, choose_backend, cpu_list, detect_launch, physical_cores, ranks_sharing_cpus
+
+FAKE_CCL = os.path.join(REPO, "tests", "fake_ccl")
+EQUAL = ["--batch_size", "2", "--total_batch_size", "384"]  # 6, 3 or 2 micro-steps on 1, 2 or 3 ranks
+TOL = 1e-5
+LIMIT = 300  # seconds any one run may take here before it counts as hung (a run takes 10-30)
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def need(available, what):
+    """Skip a test whose tool is missing, but fail under CI, where .ci/install-system provides it."""
+    if not available:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{what} is missing in CI: .ci/install-system should have installed it")
+        pytest.skip(f"{what} is not available here")
+
+
+def clean_env(**extra):
+    """This environment without any launcher's variables (as if typed in a fresh shell), plus extra."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCH_VARS and not k.startswith(("OMPI_", "PMI_", "MPI_LOCAL", "SLURM_", "PMIX_"))}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_launched(args, launcher, env, check=True):
+    """Like conftest.run_train, for launchers that start the ranks as their children (torchrun, mpirun):
+    in a session of its own, so that a hung run is killed whole, ranks included, after LIMIT seconds."""
+    cmd = [*launcher, os.path.join(REPO, "train_gpt2.py"), *map(str, args)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=LIMIT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} still running after {LIMIT}s:\n{out}\n{err}")
+    done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out}\n{err}")
+    return done
+
+
+def weights_digest(state):
+    """The trainer's end-of-run checksum, recomputed from a checkpoint's model state."""
+    return hashlib.sha256(b"".join(state[k].float().numpy().tobytes() for k in sorted(state))).hexdigest()
+
+
+def printed_digest(stdout, world_size):
+    lines = [l for l in stdout.splitlines() if l.startswith("parameter sha256")]
+    assert len(lines) == 1, stdout  # printed once: rank 0 speaks for all ranks
+    assert lines[0].startswith(f"parameter sha256 (all {world_size} rank(s)): "), lines[0]
+    return lines[0].split()[-1]
+
+
+def checkpoint_val(log_dir, step):
+    """The full-precision val loss stored in a checkpoint (log.txt rounds it to 4 decimals)."""
+    return torch.load(os.path.join(log_dir, f"model_{step:05d}.pt"), weights_only=True)["val_loss"]
+
+
+def assert_same_run(ref_dir, dist_dir, tol=TOL):
+    ref, got = read_log(ref_dir, "train"), read_log(dist_dir, "train")
+    assert sorted(got) == sorted(ref) == list(range(6))
+    worst = max(abs(ref[s] - got[s]) for s in ref)
+    assert worst <= tol, f"train losses differ by {worst:.2e}: {ref} vs {got}"
+    assert read_log(ref_dir, "val") == read_log(dist_dir, "val")
+    for step in (3, 6):
+        assert abs(checkpoint_val(ref_dir, step) - checkpoint_val(dist_dir, step)) <= tol
+    return worst
+
+
+# -----------------------------------------------------------------------------
+# Runs shared by several tests (built once per test module and worker)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_shards(tmp_path_factory.mktemp("dist") / "data")
+
+
+@pytest.fixture(scope="module")
+def single(data, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("single") / "log"
+    proc = run_train(tiny_run_args(data, log_dir, *EQUAL), env=clean_env(), timeout=LIMIT)
+    return log_dir, proc
+
+
+@pytest.fixture(scope="module")
+def two_ranks(data, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("torchrun") / "log"
+    proc = run_launched(tiny_run_args(data, log_dir, *EQUAL), TORCHRUN, clean_env())
+    return log_dir, proc
+
+
+# -----------------------------------------------------------------------------
+# Launch detection: every launcher's variables, in the order the trainer trusts them
+
+LAUNCHES = [
+    ({}, (0, 1, 0, 1, "single")),
+    (dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2"), (3, 4, 1, 2, "torchrun")),
+    (dict(OMPI_COMM_WORLD_RANK="5", OMPI_COMM_WORLD_SIZE="6", OMPI_COMM_WORLD_LOCAL_RANK="1",
+          OMPI_COMM_WORLD_LOCAL_SIZE="2"), (5, 6, 1, 2, "openmpi")),
+    # MPICH's hydra: mpirun -n 3 -ppn 1 over three hosts
+    (dict(PMI_RANK="2", PMI_SIZE="3", MPI_LOCALRANKID="0", MPI_LOCALNRANKS="1"), (2, 3, 0, 1, "mpich")),
+    # Intel MPI uses the same hydra variables, next to its own I_MPI_ ones
+    (dict(PMI_RANK="1", PMI_SIZE="4", MPI_LOCALRANKID="1", MPI_LOCALNRANKS="2", I_MPI_ROOT="/opt/intel/mpi"),
+     (1, 4, 1, 2, "mpich")),
+    # srun: 2 tasks on each of 2 nodes; this is the second task of the second node
+    (dict(SLURM_PROCID="3", SLURM_NTASKS="4", SLURM_LOCALID="1", SLURM_NODEID="1", SLURM_STEP_ID="0",
+          SLURM_STEP_TASKS_PER_NODE="2(x2)"), (3, 4, 1, 2, "slurm")),
+    # srun with uneven nodes: 3 tasks on the first, 1 on the second
+    (dict(SLURM_PROCID="3", SLURM_NTASKS="4", SLURM_LOCALID="0", SLURM_NODEID="1", SLURM_STEP_ID="7",
+          SLURM_STEP_TASKS_PER_NODE="3,1"), (3, 4, 0, 1, "slurm")),
+    # the salloc trap: inside an allocation but outside srun every process inherits SLURM_PROCID=0
+    (dict(SLURM_PROCID="0", SLURM_NTASKS="4", SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_JOB_ID="42",
+          SLURM_TASKS_PER_NODE="2(x2)"), (0, 1, 0, 1, "single")),
+    # mpirun inside a Slurm allocation sees both: the MPI launcher is the one that started us
+    (dict(PMI_RANK="1", PMI_SIZE="2", MPI_LOCALRANKID="1", MPI_LOCALNRANKS="2",
+          SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_LOCALID="0", SLURM_STEP_ID="0"), (1, 2, 1, 2, "mpich")),
+    # torchrun started by srun (one agent per node): torchrun's variables describe the workers
+    (dict(RANK="5", WORLD_SIZE="8", LOCAL_RANK="1", LOCAL_WORLD_SIZE="4",
+          SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_STEP_ID="0"), (5, 8, 1, 4, "torchrun")),
+]
+
+
+@pytest.mark.parametrize("env,expected", LAUNCHES, ids=[
+    "none", "torchrun", "openmpi", "mpich", "intel-mpi", "srun", "srun-uneven", "salloc-trap",
+    "mpirun-in-slurm", "torchrun-in-srun"])
+def test_detect_launch(env, expected):
+    assert detect_launch(env) == expected
+
+
+@pytest.mark.parametrize("env,message", [
+    (dict(RANK="one", WORLD_SIZE="2"), "RANK='one' is not an integer"),
+    (dict(PMI_RANK="3", PMI_SIZE="3"), "inconsistent mpich variables"),
+    (dict(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_STEP_ID="0", SLURM_STEP_TASKS_PER_NODE="2(y2)"),
+     "cannot parse SLURM_STEP_TASKS_PER_NODE"),
+])
+def test_detect_launch_rejects_bad_variables(env, message):
+    with pytest.raises(SystemExit, match="^error: .*" + message.replace("(", r"\(").replace(")", r"\)")):
+        detect_launch(env)
+
+
+def test_choose_backend_without_oneccl(monkeypatch):
+    monkeypatch.setitem(sys.modules, "oneccl_bindings_for_pytorch", None)  # as if not installed
+    assert choose_backend("auto", "cpu") == "gloo"
+    assert choose_backend("auto", "cuda") == "nccl"
+    assert choose_backend("auto", "xpu") == "xccl"
+    assert choose_backend("gloo", "cpu") == "gloo"
+    with pytest.raises(SystemExit, match="^error: --backend ccl needs Intel's oneccl_bindings_for_pytorch"):
+        choose_backend("ccl", "cpu")
+    with pytest.raises(SystemExit, match="^error: --backend nccl does not work with --device cpu"):
+        choose_backend("nccl", "cpu")
+
+
+def test_choose_backend_with_oneccl(monkeypatch):
+    monkeypatch.syspath_prepend(FAKE_CCL)
+    monkeypatch.delitem(sys.modules, "oneccl_bindings_for_pytorch", raising=False)
+    assert choose_backend("auto", "cpu") == "ccl"
+    assert choose_backend("ccl", "cpu") == "ccl"
+    assert choose_backend("auto", "cuda") == "nccl"  # oneCCL is for CPUs and Intel GPUs
+    assert "ccl" in torch.distributed.Backend.backend_list
+
+
+def test_thread_helpers():
+    mine = os.sched_getaffinity(0)
+    assert 1 <= physical_cores() <= len(mine)
+    assert physical_cores({min(mine)}) == 1
+    assert cpu_list({0, 1, 2, 3, 8, 10, 11}) == "0-3,8,10-11"
+
+
+def test_ranks_sharing_cpus():
+    """Threads per rank = physical cores / ranks sharing them: a launcher that pinned each rank to
+    its own cores has already divided them."""
+    both = [0, 1, 2, 3]
+    # torchrun, no pinning: 2 ranks of node a on the same 4 CPUs, and 2 more on node b
+    everyone = [("a", both), ("a", both), ("b", both), ("b", both)]
+    assert ranks_sharing_cpus(set(both), "a", everyone, 2) == 2
+    # Intel MPI's default pinning: each rank of node a on its own half
+    everyone = [("a", [0, 1]), ("a", [2, 3]), ("b", [0, 1]), ("b", [2, 3])]
+    assert ranks_sharing_cpus({0, 1}, "a", everyone, 2) == 1
+    # hosts that share a hostname (namespaces, containers): the launcher's count of local ranks wins
+    assert ranks_sharing_cpus(set(both), "a", [("a", both)] * 3, 1) == 1
+
+
+def test_ranks_read_disjoint_data_covering_one_process(data):
+    """Each step, rank r of 2 gets the r-th half of the blocks one process would get: disjoint, complete."""
+    one = DataLoader(data, "train", 4, 32, rank=0, world_size=1)
+    ranks = [DataLoader(data, "train", 2, 32, rank=r, world_size=2) for r in range(2)]
+    for _ in range(200):  # 200 x 4 blocks of 32: past the end of an epoch of ~340 blocks
+        x1, y1 = one.next_batch()
+        (x0, y0), (x1r, y1r) = ranks[0].next_batch(), ranks[1].next_batch()
+        assert torch.equal(torch.cat([x0, x1r]), x1) and torch.equal(torch.cat([y0, y1r]), y1)
+
+
+# -----------------------------------------------------------------------------
+# Equal to one process
+
+
+def test_torchrun_two_ranks_equal_one_process(single, two_ranks):
+    (ref_dir, ref), (dist_dir, proc) = single, two_ranks
+    assert "distributed: torchrun, world size 2, backend gloo" in proc.stdout
+    worst = assert_same_run(ref_dir, dist_dir)
+    print(f"torchrun x2 vs 1 process: largest train loss difference {worst:.1e}")
+    # the checksum is of the real final weights, and the ranks agreed on it
+    final = torch.load(os.path.join(dist_dir, "model_00006.pt"), weights_only=True)["model"]
+    assert printed_digest(proc.stdout, 2) == weights_digest(final)
+    printed_digest(ref.stdout, 1)
+    # ranks other than 0 are quiet: each line once
+    assert proc.stdout.count("validation loss") == 3 and proc.stdout.count("step ") == 6
+
+
+def test_mpirun_three_ranks_equal_one_process(data, single, tmp_path):
+    mpirun = shutil.which("mpirun.mpich") or shutil.which("mpirun")
+    need(mpirun, "MPICH's mpirun")
+    log_dir = tmp_path / "log"
+    # --threads 0: the automatic choice, one physical core (of 2 here) per rank at most
+    proc = run_launched(tiny_run_args(data, log_dir, *EQUAL, "--threads", "0"),
+                        (mpirun, "-n", "3", "-ppn", "1", sys.executable), clean_env(MASTER_PORT=free_port()))
+    assert "distributed: mpich, world size 3, backend gloo, master 127.0.0.1:" in proc.stdout
+    assert f"threads: 1 torch threads per rank ({physical_cores()} physical cores / 3 rank(s))" in proc.stdout
+    assert "3 rank(s) x 2 accumulation steps" in proc.stdout
+    worst = assert_same_run(single[0], log_dir)
+    print(f"mpirun x3 vs 1 process: largest train loss difference {worst:.1e}")
+    printed_digest(proc.stdout, 3)
+
+
+def test_resume_two_ranks_equals_uninterrupted_with_ccl_backend(two_ranks, tmp_path):
+    """Resume a 2-rank run from its step-3 checkpoint: bit-identical losses and final weights.
+
+    It runs with oneccl_bindings_for_pytorch importable (the test stand-in, gloo underneath),
+    so it also covers --backend auto choosing ccl and initialising through it."""
+    full_dir, full = two_ranks
+    log_dir = tmp_path / "resumed"
+    log_dir.mkdir()
+    shutil.copy(os.path.join(full_dir, "model_00003.pt"), log_dir)
+    proc = run_launched(["--resume", "--log_dir", log_dir], TORCHRUN, clean_env(PYTHONPATH=FAKE_CCL))
+    assert "backend ccl" in proc.stdout and "resumed from" in proc.stdout
+    full_train, got = read_log(full_dir, "train"), read_log(log_dir, "train")
+    assert got == {s: full_train[s] for s in (3, 4, 5)}
+    assert read_log(log_dir, "val") == {6: read_log(full_dir, "val")[6]}
+    assert checkpoint_val(log_dir, 6) == checkpoint_val(full_dir, 6)
+    assert printed_digest(proc.stdout, 2) == printed_digest(full.stdout, 2)
+
+
+# -----------------------------------------------------------------------------
+# Failures: a dead or hung rank must not hold the others; a multi-host job needs MASTER_ADDR
+
+
+def start_ranks(data, log_dir, world_size, *extra):
+    """World_size processes started by hand with torchrun's variables, outputs in files."""
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        out = open(os.path.join(os.path.dirname(log_dir), f"rank{rank}.out"), "w+")
+        env = clean_env(RANK=rank, WORLD_SIZE=world_size, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world_size,
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        cmd = [sys.executable, os.path.join(REPO, "train_gpt2.py"),
+               *map(str, tiny_run_args(data, log_dir, *EQUAL, "--max_steps", "100000", "--eval_interval", "0",
+                                       "--checkpoint_interval", "100000", *extra))]
+        procs.append((subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO), out))
+    return procs
+
+
+def wait_for(path_or_file, text, procs, limit=180):
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        path_or_file.seek(0)
+        if text in path_or_file.read():
+            return
+        if any(p.poll() is not None for p, _ in procs):
+            break
+        time.sleep(0.2)
+    path_or_file.seek(0)
+    raise AssertionError(f"never printed {text!r}:\n{path_or_file.read()}")
+
+
+@pytest.mark.parametrize("victim,sig", [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGSTOP)],
+                         ids=["kill-rank1", "kill-rank0", "hang-rank1"])
+def test_dead_or_hung_rank_stops_the_other(data, tmp_path, victim, sig):
+    """SIGKILL: the survivor's next collective fails at once. SIGSTOP (a hang): the survivor's collective
+    times out after --dist_timeout. Either way it exits non-zero, well within 60 s, saying why."""
+    procs = start_ranks(data, tmp_path / "log", 2, "--dist_timeout", "10")
+    try:
+        wait_for(procs[0][1], "step     1 |", procs)
+        os.kill(procs[victim][0].pid, sig)
+        killed_at = time.monotonic()
+        survivor, out = procs[1 - victim]
+        rc = survivor.wait(timeout=60)
+        elapsed = time.monotonic() - killed_at
+        out.seek(0)
+        text = out.read()
+        assert rc != 0, text
+        assert f"error: rank {1 - victim}: a collective with the other ranks failed" in text, text
+        print(f"{signal.Signals(sig).name} of rank {victim}: rank {1 - victim} exited {rc} after {elapsed:.1f}s")
+    finally:
+        for p, out in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            out.close()
+
+
+def test_multi_host_job_without_master_addr_fails_at_once(data, tmp_path):
+    """Ranks of an mpirun job over 2 hosts (1 rank each) and no MASTER_ADDR: rank 0 says what to export,
+    rank 1 exits quietly, neither waits for the other."""
+    procs = []
+    for rank in range(2):
+        env = clean_env(PMI_RANK=rank, PMI_SIZE=2, MPI_LOCALRANKID=0, MPI_LOCALNRANKS=1)
+        procs.append(subprocess.Popen([sys.executable, os.path.join(REPO, "train_gpt2.py"),
+                                       *map(str, tiny_run_args(data, tmp_path / "log"))],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO))
+    (out0, err0), (out1, err1) = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [1, 1]
+    assert "error: this mpich job spans several hosts but MASTER_ADDR is not set" in err0
+    assert "mpirun -genv MASTER_ADDR" in err0
+    assert err1.strip() == "" and out1.strip() == ""
+
+
+# -----------------------------------------------------------------------------
+# Three hosts: network namespaces joined by a bridge, one rank in each
+
+
+@contextlib.contextmanager
+def namespace_hosts(n):
+    """n network namespaces ('hosts') on one bridge, which itself sits in a namespace of its own,
+    so nothing is added to this machine's own network. Addresses come from 198.18.0.0/15, the
+    range set aside for network benchmarks (RFC 2544); the namespaces have no other route."""
+    tag = f"gpt2t{os.getpid() % 100000}"
+    switch, hosts = f"{tag}sw", [f"{tag}h{i}" for i in range(n)]
+    created = []
+
+    def ip(*args):
+        subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+    try:
+        for ns in (switch, *hosts):
+            ip("netns", "add", ns)
+            created.append(ns)
+        ip("-n", switch, "link", "add", "br0", "type", "bridge")
+        ip("-n", switch, "link", "set", "br0", "up")
+        for i, ns in enumerate(hosts):
+            ip("-n", switch, "link", "add", f"port{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            ip("-n", switch, "link", "set", f"port{i}", "master", "br0")
+            ip("-n", switch, "link", "set", f"port{i}", "up")
+            ip("-n", ns, "addr", "add", f"198.18.0.{i + 1}/24", "dev", "eth0")
+            ip("-n", ns, "link", "set", "eth0", "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        yield hosts, [f"198.18.0.{i + 1}" for i in range(n)]
+    finally:
+        for ns in reversed(created):  # deleting a namespace deletes its ends of the veth pairs
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def can_create_namespaces():
+    if not shutil.which("ip"):
+        return False
+    name = f"gpt2probe{os.getpid() % 100000}"
+    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    if ok:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return ok
+
+
+def test_three_hosts_over_network_namespaces_equal_one_process(data, single, tmp_path):
+    """mpirun -n 3 -ppn 1 over three hosts, as MPICH's hydra would start it: each rank in its own
+    network namespace, with its own address, seeing one local rank; MASTER_ADDR is rank 0's address
+    and gloo talks over the namespaces' bridge (GLOO_SOCKET_IFNAME)."""
+    if not can_create_namespaces():
+        pytest.skip("cannot create network namespaces here (needs root and iproute2)")
+    log_dir = tmp_path / "log"
+    with namespace_hosts(3) as (hosts, addresses):
+        procs = []
+        for rank, ns in enumerate(hosts):
+            env = clean_env(PMI_RANK=rank, PMI_SIZE=3, MPI_LOCALRANKID=0, MPI_LOCALNRANKS=1,
+                            MASTER_ADDR=addresses[0], MASTER_PORT=29500, GLOO_SOCKET_IFNAME="eth0")
+            cmd = ["ip", "netns", "exec", ns, sys.executable, os.path.join(REPO, "train_gpt2.py"),
+                   *map(str, tiny_run_args(data, log_dir, *EQUAL, "--dist_timeout", "120"))]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                          env=env, cwd=REPO))
+        try:
+            outputs = [p.communicate(timeout=LIMIT) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    for p, (out, err) in zip(procs, outputs):
+        assert p.returncode == 0, f"{out}\n{err}"
+    out0 = outputs[0][0]
+    assert f"distributed: mpich, world size 3, backend gloo, master {addresses[0]}:29500" in out0
+    assert "1 rank(s) on this node" in out0
+    assert all(out.strip() == "" for out, _ in outputs[1:])  # ranks other than 0 are quiet
+    worst = assert_same_run(single[0], log_dir)
+    print(f"3 namespace hosts vs 1 process: largest train loss difference {worst:.1e}")
+    printed_digest(out0, 3)
