@@ -9,6 +9,11 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+# torch.compile is on by default in train_gpt2.py, but compiling a tiny model costs a test far more
+# time than it saves: make it a no-op here and in every subprocess (they inherit the environment).
+# tests/test_perf.py turns it back on where compilation is what it tests.
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+
 # a model small enough that a CPU trains it in a fraction of a second per step
 TINY_MODEL = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "64"]
 

@@ -1,0 +1,178 @@
+"""The optimized training step computes what the plain one does; --compile works with everything
+the training loop does; bench.py runs. Nothing here is timed: speed is bench.py's job, and
+timings in tests fail at random on shared machines."""
+import json
+import os
+import subprocess
+import sys
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+
+import train_gpt2
+from conftest import REPO, make_shards, read_log, run_train, tiny_run_args
+from train_gpt2 import GPT, GPTConfig
+
+SMALL = GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
+BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    # batches of 4 x 32 = 128 positions, in chunks of 48: two full chunks and a shorter last one
+    monkeypatch.setattr(train_gpt2, "LOSS_CHUNK", 48)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models run fastest on one thread, and leave the other cores to other jobs
+    yield
+    torch.set_num_threads(n)
+
+
+def plain_loss(model, x, y):
+    """build-nanogpt's loss: all the logits, then F.cross_entropy."""
+    logits, _ = model(x)
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+
+
+def loss_and_grads(model, x, y, plain, autocast=None):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(**autocast) if autocast else nullcontext():
+        loss = plain_loss(model, x, y) if plain else model(x, y)[1]
+    loss.backward()
+    return {"loss": loss.detach(), **{n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def batch(seed=1, B=4, T=32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 50257, (B, T), generator=g), torch.randint(0, 50257, (B, T), generator=g)
+
+
+def test_chunked_loss_equals_cross_entropy_fp32():
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    x, y = batch()
+    plain = loss_and_grads(model, x, y, plain=True)
+    ours = loss_and_grads(model, x, y, plain=False)
+    for name in plain:
+        assert rel(ours[name], plain[name]) <= 1e-5, name
+    with torch.no_grad():  # validation's path: the loss alone, no gradients computed or kept
+        logits, loss = model(x, y)
+    assert logits is None and not loss.requires_grad
+    assert rel(loss, plain["loss"]) <= 1e-6
+
+
+def test_chunked_loss_bf16_rounds_no_worse_than_plain():
+    # In bf16 neither path equals the fp32 result: both round the logits and their gradient to
+    # bf16. The chunked path also rounds the lm_head (= wte) weight gradient once per chunk before
+    # summing in fp32, where the plain path rounds the whole sum once. So we ask of every tensor
+    # that its distance to the fp32 result be no more than twice the plain bf16 path's own.
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    x, y = batch()
+    exact = loss_and_grads(model, x, y, plain=True)
+    plain = loss_and_grads(model, x, y, plain=True, autocast=BF16)
+    ours = loss_and_grads(model, x, y, plain=False, autocast=BF16)
+    for name in exact:
+        err_plain, err_ours = rel(plain[name], exact[name]), rel(ours[name], exact[name])
+        assert err_plain < 2e-2, name  # the reference itself is sane: bf16 keeps 8 bits of mantissa
+        assert err_ours <= 2 * err_plain + 1e-6, (name, err_ours, err_plain)
+
+
+def test_accumulated_chunked_gradients_equal_big_batch():
+    # backward() scales the gradients computed in forward by its incoming gradient (1/k here)
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    x, y = batch(B=8)
+    big = loss_and_grads(model, x, y, plain=True)
+    model.zero_grad(set_to_none=True)
+    for i in range(4):
+        _, loss = model(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2])
+        (loss / 4).backward()
+    for name, p in model.named_parameters():
+        assert rel(p.grad, big[name]) <= 1e-5, name
+
+
+def train_curve(plain, compile, autocast, steps=20):
+    """Losses of `steps` AdamW steps of a small model, 2 micro-steps each, on fixed random data."""
+    torch.manual_seed(0)
+    raw = GPT(SMALL)
+    optimizer, _ = raw.configure_optimizer(weight_decay=0.1, learning_rate=1e-3, device_type="cpu")
+    model = torch.compile(raw) if compile else raw
+    data = [batch(seed=s, B=2) for s in range(8)]  # a few batches, seen again and again: the loss falls
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for micro in range(2):
+            x, y = data[(2 * step + micro) % len(data)]
+            with torch.autocast(**autocast) if autocast else nullcontext():
+                loss = (plain_loss(model, x, y) if plain else model(x, y)[1]) / 2
+            total += loss.item()
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)
+        optimizer.step()
+        losses.append(total)
+    return torch.tensor(losses, dtype=torch.float64)
+
+
+def test_training_curves_agree(monkeypatch):
+    monkeypatch.setattr(torch._dynamo.config, "disable", False)  # conftest.py turns torch.compile off
+    train_gpt2.compile_cache_dir()
+    plain = train_curve(plain=True, compile=False, autocast=None)
+    assert plain[-1] < plain[0] - 0.5  # it learns, so the curves compare something
+    # fp32: the chunked loss, and torch.compile's fused kernels, change only the rounding
+    for compile in (False, True):
+        assert (train_curve(plain=False, compile=compile, autocast=None) - plain).abs().max() <= 1e-5 * plain.abs().max()
+    # bf16: the optimized step strays from the fp32 curve no further than twice the plain bf16 step does
+    plain_bf16 = train_curve(plain=True, compile=False, autocast=BF16)
+    ours_bf16 = train_curve(plain=False, compile=True, autocast=BF16)
+    assert (ours_bf16 - plain).abs().max() <= 2 * (plain_bf16 - plain).abs().max() + 1e-3
+
+
+def write_hellaswag(path):
+    """Three examples in the official format (ctx, ctx_a, ctx_b, activity_label, endings, label, ...)."""
+    stories = [("Baking bread", "A baker kneads the dough.", "she", 1,
+                ["eats the flour.", "shapes it into a loaf.", "sings to the oven.", "goes swimming."]),
+               ("Fishing", "A man sits by the lake with a rod.", "he", 0,
+                ["catches a small fish.", "flies away.", "reads the lake.", "paints the rod red."]),
+               ("Chess", "Two players sit at a chess board.", "the first", 3,
+                ["eats a pawn.", "leaves the country.", "throws the board.", "moves a knight."])]
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "hellaswag_val.jsonl"), "w") as f:
+        for i, (activity, ctx_a, ctx_b, label, endings) in enumerate(stories):
+            f.write(json.dumps({"ind": i, "activity_label": activity, "ctx_a": ctx_a, "ctx_b": ctx_b,
+                                "ctx": f"{ctx_a} {ctx_b}", "endings": endings, "label": label, "split": "val",
+                                "split_type": "indomain", "source_id": f"test~{i}"}) + "\n")
+    return str(path)
+
+
+def test_compile_with_val_hellaswag_and_sampling(tmp_path):
+    data = make_shards(tmp_path / "data")
+    hella = write_hellaswag(tmp_path / "hellaswag")
+    args = tiny_run_args(data, tmp_path / "log", "--compile", "--dtype", "bf16", "--max_steps", "4",
+                         "--eval_interval", "2", "--sample_interval", "2", "--hellaswag_interval", "2",
+                         "--hellaswag_dir", hella)
+    out = run_train(args, env={"TORCH_COMPILE_DISABLE": "0"}).stdout  # conftest.py turns torch.compile off
+    assert "compile: took about" in out and "sample 0: Hello, I'm a language model," in out
+    assert sorted(read_log(tmp_path / "log", "val")) == [0, 2, 4]
+    assert sorted(read_log(tmp_path / "log", "hella")) == [0, 2, 4]
+    assert len(read_log(tmp_path / "log", "train")) == 4
+
+
+def test_bench_runs_tiny():
+    # eager A: the compiled step is tested above, and every compilation costs CI half a minute
+    cmd = [sys.executable, os.path.join(REPO, "bench.py"), "--ab", "--steps", "2", "--warmup", "1",
+           "--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--seq_len", "32", "--batch_size", "2",
+           "--grad_accum", "2", "--a", "eager,loss_chunk=48,threads=1", "--b", "plain,threads=1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "A  eager,chunked,loss_chunk=48,threads=1" in out and "B  eager,full,threads=1" in out
+    assert "per-pair ratios" in out and "GiB" in out and "MFU" in out
