@@ -748,6 +748,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     given = vars(build_parser(defaults=False).parse_args(argv))  # only the flags on the command line
+    compile_cache_dir()  # now: building the optimizer already makes torch settle on a cache folder
 
     # --- distributed setup ------------------------------------------------------
     rank, world_size, local_rank, local_world, launcher = detect_launch()
