@@ -10,6 +10,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 import torch._dynamo
+import torch._dynamo.utils
 import torch.nn.functional as F
 
 import train_gpt2
@@ -127,8 +128,10 @@ def test_training_curves_agree(monkeypatch):
     plain = train_curve(plain=True, compile=False, autocast=None)
     assert plain[-1] < plain[0] - 0.5  # it learns, so the curves compare something
     # fp32: the chunked loss, and torch.compile's fused kernels, change only the rounding
+    torch._dynamo.utils.counters.clear()
     for compile in (False, True):
         assert (train_curve(plain=False, compile=compile, autocast=None) - plain).abs().max() <= 1e-5 * plain.abs().max()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
     # bf16: the optimized step strays from the fp32 curve no further than twice the plain bf16 step does
     plain_bf16 = train_curve(plain=True, compile=False, autocast=BF16)
     ours_bf16 = train_curve(plain=False, compile=True, autocast=BF16)
