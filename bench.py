@@ -4,6 +4,7 @@ How fast does a GPT-2 training step run on this machine, and how much memory doe
     python bench.py                          # our training step: GPT-2 (124M), B=4, T=1024, bf16
     python bench.py --ab                     # lock-step A/B: our step (A) against the plain one (B)
     python bench.py --ab --b compile,full    # what the chunked loss brings to the compiled step
+    python bench.py --ab --b release         # what keeping freed memory brings
     python bench.py --profile                # where the time of one step goes (torch.profiler)
 
 A step is what train_gpt2.py does per optimizer step: --grad_accum forward+backward passes of
@@ -15,13 +16,17 @@ resident memory (RSS) of each process.
 A configuration (--a, --b) is a comma-separated list of:
     compile | eager          torch.compile the model, or not
     chunked | full           our fused, chunked lm_head + loss, or F.cross_entropy on the full logits
-    plain                    = eager,full: build-nanogpt's step (autocast, cross_entropy on all logits)
+    keep | release           keep freed memory for reuse (train_gpt2.keep_freed_memory), or let glibc's
+                             malloc give big blocks back to the OS at every free, as it does by default
+    plain                    = eager,full,release: build-nanogpt's step (autocast, cross_entropy on all logits)
     loss_chunk=N             positions per chunk of the chunked loss (train_gpt2.LOSS_CHUNK)
+    budget=F                 torch.compile's activation memory budget, 0 < F <= 1 (1: keep all it can
+                             for backward; default train_gpt2.ACTIVATION_MEMORY_BUDGET)
     batch_size=N             sequences per micro-step, instead of --batch_size (A/B compares tokens/s)
     threads=N                torch threads (default: physical cores)
     NAME=VALUE               an environment variable for this configuration's process, e.g.
                              LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
-Omitted items keep the defaults of train_gpt2.py: compile, chunked.
+Omitted items keep the defaults of train_gpt2.py: compile, chunked, keep.
 
 Why lock-step: shared and cloud machines change speed by 2x within minutes (other jobs, turbo,
 noisy neighbours), so two configurations timed one after the other compare the machine's moods
@@ -49,17 +54,21 @@ from train_gpt2 import GPT, GPTConfig
 
 def parse_config(text):
     """'compile,chunked,loss_chunk=512' -> {'compile': True, 'loss': 'chunked', 'loss_chunk': 512}"""
-    cfg = {"compile": True, "loss": "chunked"}
+    cfg = {"compile": True, "loss": "chunked", "memory": "keep"}
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, _, value = item.partition("=")
         if item in ("compile", "eager"):
             cfg["compile"] = item == "compile"
         elif item in ("chunked", "full"):
             cfg["loss"] = item
+        elif item in ("keep", "release"):
+            cfg["memory"] = item
         elif item == "plain":
-            cfg.update(compile=False, loss="full")
+            cfg.update(compile=False, loss="full", memory="release")
         elif key in ("loss_chunk", "threads", "batch_size") and value.isdigit() and int(value) > 0:
             cfg[key] = int(value)
+        elif key == "budget" and value.replace(".", "", 1).isdigit() and 0 < float(value) <= 1:
+            cfg[key] = float(value)
         elif key.isupper() and value:
             cfg.setdefault("env", {})[key] = value
         else:
@@ -68,8 +77,8 @@ def parse_config(text):
 
 
 def describe(cfg):
-    words = ["compile" if cfg["compile"] else "eager", cfg["loss"]]
-    words += [f"{k}={cfg[k]}" for k in ("batch_size", "loss_chunk", "threads") if k in cfg]
+    words = ["compile" if cfg["compile"] else "eager", cfg["loss"], cfg["memory"]]
+    words += [f"{k}={cfg[k]}" for k in ("batch_size", "loss_chunk", "threads", "budget") if k in cfg]
     words += [f"{k}={os.path.basename(v)}" for k, v in cfg.get("env", {}).items()]
     return ",".join(words)
 
@@ -111,6 +120,8 @@ def reset_peak_rss():
 
 
 def worker(cfg, args):
+    if cfg["memory"] == "keep":
+        train_gpt2.keep_freed_memory()
     torch.set_num_threads(cfg.get("threads") or train_gpt2.physical_cores())
     train_gpt2.LOSS_CHUNK = cfg.get("loss_chunk", train_gpt2.LOSS_CHUNK)
     torch.manual_seed(0)  # both configurations start from the same weights and see the same data
@@ -123,7 +134,7 @@ def worker(cfg, args):
                for _ in range(args.grad_accum)]
     if cfg["compile"]:
         train_gpt2.compile_cache_dir()
-    model = torch.compile(raw_model) if cfg["compile"] else raw_model
+    model = train_gpt2.compile_model(raw_model, cfg.get("budget")) if cfg["compile"] else raw_model
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
 
