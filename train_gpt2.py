@@ -726,7 +726,7 @@ def build_parser(defaults=True):
     a("--hellaswag_interval", type=int, default=d(250), help="0 = off")
     a("--hellaswag_dir", default=d(None), help="HellaSwag cache folder (default: hellaswag.py's)")
     a("--sample_interval", type=int, default=d(250), help="0 = off")
-    a("--checkpoint_interval", type=int, default=d(250))
+    a("--checkpoint_interval", type=int, default=d(250), help="0 = never save a checkpoint")
     a("--keep_checkpoints", type=int, default=d(5), help="keep the newest N checkpoints (0 = all)")
     a("--resume", nargs="?", const="latest", default=d(None),
       help="continue from the newest checkpoint in --log_dir, or from the given file")
@@ -1060,7 +1060,8 @@ def main(argv=None):
                 print(f"sample {i}: {tokenizer.decode(row)}", flush=True)
 
         # --- checkpoint -------------------------------------------------------------
-        if periodic and step > 0 and (step % args.checkpoint_interval == 0 or last_step) and master:
+        if (periodic and step > 0 and args.checkpoint_interval > 0
+                and (step % args.checkpoint_interval == 0 or last_step) and master):
             state = {
                 "model": raw_model.state_dict(),
                 "optimizer": optimizer.state_dict(),
@@ -1110,7 +1111,8 @@ def main(argv=None):
         if args.compile and step == start_step:
             first_dt = dt
         if args.compile and step == start_step + 1:  # the first step's extra time went to compiling
-            print0(f"compile: took about {first_dt - dt:.1f} s, during the first step")
+            # (with kernels already in the cache the first step is barely slower, or even faster)
+            print0(f"compile: took about {max(first_dt - dt, 0):.1f} s, during the first step")
         if master:
             append_log(log_dir, f"{step} train {loss_accum.item():.6f}")
             append_log(log_dir, f"{step} tok/s {tokens_per_sec:.0f}")  # play.ipynb plots it; its loss plots skip it
@@ -1118,7 +1120,10 @@ def main(argv=None):
     # every rank must hold the same weights; a checksum per rank proves it
     # (the state dict: full fp32 weights in plain layout, also under IPEX, whose parameters are bf16 halves)
     weights = raw_model.state_dict()
-    digest = hashlib.sha256(b"".join(weights[k].detach().cpu().float().numpy().tobytes() for k in sorted(weights))).hexdigest()
+    checksum = hashlib.sha256()
+    for k in sorted(weights):  # one tensor at a time: joining them all first would double the peak memory
+        checksum.update(weights[k].detach().cpu().float().contiguous().numpy())
+    digest = checksum.hexdigest()
     if world_size > 1:
         digests = [None] * world_size
         torch.distributed.all_gather_object(digests, digest)

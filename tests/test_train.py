@@ -105,6 +105,12 @@ def test_checkpoint_pruning(tmp_path, shards):
     assert sorted(f for f in os.listdir(tmp_path / "log") if f.endswith(".pt")) == ["model_00005.pt", "model_00006.pt"]
 
 
+def test_checkpoint_interval_zero_saves_none(tmp_path, shards):
+    run_train(tiny_run_args(shards, tmp_path / "log", "--checkpoint_interval", "0"))
+    assert len(read_log(tmp_path / "log", "train")) == 6
+    assert not [f for f in os.listdir(tmp_path / "log") if f.endswith(".pt")]
+
+
 def test_crash_while_saving_leaves_no_truncated_checkpoint(tmp_path, monkeypatch):
     path = str(tmp_path / "model_00010.pt")
     train_gpt2.atomic_save({"step": 10, "w": torch.ones(3)}, path)
