@@ -792,5 +792,35 @@ def main(argv=None):
     return manifest
 
 
+def build_demo_shards(out_dir, max_tokens=8_000_000):
+    """train_gpt2.py's demo corpus: the Python standard library's own source, which every machine with
+    Python has, tokenized into one val and one train shard (kept as a cache in out_dir)."""
+    done = os.path.join(out_dir, "demo_train_000001.npy")
+    if os.path.exists(done):
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    stdlib = os.path.dirname(os.__file__)
+    files = sorted(glob.glob(os.path.join(stdlib, "**", "*.py"), recursive=True))
+    files = [f for f in files if "site-packages" not in f and "test" not in os.path.relpath(f, stdlib)]
+    docs = []
+    for path in files:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            docs.append(f.read())
+    enc = get_encoding()
+    tokens, n = [], 0
+    for ids in enc.encode_ordinary_batch(docs, num_threads=os.cpu_count() or 1):
+        tokens.append([EOT] + ids)  # every document starts with <|endoftext|>
+        n += len(ids) + 1
+        if n >= max_tokens:
+            break
+    # whole documents only: every 20th goes to val, so no document is split between the two
+    val = np.concatenate([t for i, t in enumerate(tokens) if i % 20 == 0]).astype(np.uint16)
+    train = np.concatenate([t for i, t in enumerate(tokens) if i % 20 != 0]).astype(np.uint16)
+    for name, arr in (("demo_val_000000.npy", val), ("demo_train_000001.npy", train)):
+        tmp = os.path.join(out_dir, f"{name}.{os.getpid()}.tmp.npy")  # ranks on one host may build at once
+        np.save(tmp, arr)
+        os.replace(tmp, os.path.join(out_dir, name))
+
+
 if __name__ == "__main__":
     main()

@@ -279,19 +279,23 @@ def evaluate(model, examples, device="cpu", dtype="fp32", batch_size=16, rank=0,
             "acc": num_correct / max(1, num_total), "acc_norm": num_correct_norm / max(1, num_total)}
 
 
+def accuracy_during_training(model, data_dir, ranks, dtype, batch_size):
+    """train_gpt2.py's HellaSwag: acc_norm over the val split on all ranks, printed by rank 0;
+    None when the data cannot be had (no network, say): that is no reason to stop training."""
+    try:
+        examples = load_examples("val", data_dir=data_dir)
+    except (Exception, SystemExit) as e:
+        ranks.print0(f"warning: HellaSwag disabled: {e}")
+        return None
+    model.eval()
+    result = evaluate(model, examples, device=ranks.device, dtype=dtype, batch_size=batch_size,
+                      rank=ranks.rank, world_size=ranks.world_size)
+    ranks.print0(f"HellaSwag accuracy: {result['num_correct_norm']}/{result['num_total']}={result['acc_norm']:.4f}")
+    return result["acc_norm"]
+
+
 # -----------------------------------------------------------------------------
 # Command line
-
-
-def load_model(name_or_path):
-    """gpt2..gpt2-xl or a Hugging Face-layout folder via GPT.from_pretrained, or one of our .pt checkpoints."""
-    from train_gpt2 import GPT, GPTConfig, PRETRAINED_NAMES, load_checkpoint
-    if name_or_path in PRETRAINED_NAMES or os.path.isdir(name_or_path):
-        return GPT.from_pretrained(name_or_path)
-    ckpt = load_checkpoint(name_or_path)
-    model = GPT(GPTConfig(**ckpt["config"]))
-    model.load_state_dict(ckpt["model"])
-    return model
 
 
 def main(argv=None):
@@ -323,6 +327,7 @@ def main(argv=None):
     if args.limit:
         examples = examples[:args.limit]
 
+    from train_gpt2 import load_model
     model = load_model(args.model)
     model.to(args.device).eval()
     print(f"{args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters; "

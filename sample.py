@@ -26,14 +26,11 @@ import tokenizer
 
 def load_model(ckpt_path=None, init_from=None):
     """One of our checkpoints (log/model_XXXXX.pt), or GPT.from_pretrained(gpt2... | folder)."""
-    from train_gpt2 import GPT, GPTConfig, load_checkpoint
+    import train_gpt2
+    model = train_gpt2.load_model(ckpt_path or init_from)
     if ckpt_path:
-        ckpt = load_checkpoint(ckpt_path)
-        model = GPT(GPTConfig(**ckpt["config"]))
-        model.load_state_dict(ckpt["model"])
-        print(f"loaded {ckpt_path} (step {ckpt.get('step', '?')})", file=sys.stderr)
-        return model
-    return GPT.from_pretrained(init_from)
+        print(f"loaded {ckpt_path}", file=sys.stderr)
+    return model
 
 
 def prompt_tokens(prompt, block_size):

@@ -5,30 +5,27 @@ GPT-2 and its trainer, in one file, for CPUs first (and GPUs too).
     torchrun --nproc_per_node=2 train_gpt2.py         # data parallel on one machine
     mpirun -n 3 -ppn 1 python train_gpt2.py           # data parallel on three nodes (see README)
 
-Read it top to bottom: the model, the data loader, the distributed setup, the learning
-rate schedule, checkpoints, then main() which ties them into the training loop.
-Importing this file starts nothing; the other scripts import GPT from it.
+Read it top to bottom: the model, the data loader, the learning rate schedule, checkpoints,
+the stages of a run, then main(), which tells the training story by calling them. How the
+processes run on the machine (launcher variables, CPU threads, Intel's libraries, memory
+and compile settings) is in machine.py. Importing this file starts nothing; the other
+scripts import GPT from it.
 """
 import argparse
-import ctypes
 import glob
-import hashlib
-import inspect
 import math
 import os
-import re
-import shutil
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+import machine
 import tokenizer
 
 # -----------------------------------------------------------------------------
@@ -293,33 +290,29 @@ class GPT(nn.Module):
                              "nor a directory holding config.json and model.safetensors")
         with open(config_file) as f:
             hf = json.load(f)
-        config = GPTConfig(block_size=hf["n_positions"], vocab_size=hf["vocab_size"],
-                           n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"])
-        model = GPT(config)
-        ours = model.state_dict()
+        model = GPT(GPTConfig(block_size=hf["n_positions"], vocab_size=hf["vocab_size"],
+                              n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"]))
         try:
             theirs = load_file(weights_file)
         except Exception as e:
             raise SystemExit(f"error: cannot read {weights_file}: {one_line(e)}")
         # save_pretrained() writes 'transformer.h.0...', OpenAI's upload has no prefix; the attention
-        # 'bias' buffers are causal masks, and lm_head is tied to wte, so neither is loaded
-        theirs = {k.removeprefix("transformer."): v for k, v in theirs.items()
-                  if not k.endswith((".attn.bias", ".attn.masked_bias")) and k != "lm_head.weight"}
-        # OpenAI's checkpoints use a 'Conv1D' module: a Linear whose weight is stored transposed
+        # 'bias' buffers are causal masks, and lm_head is tied to wte, so neither is loaded.
+        # OpenAI's checkpoints use a 'Conv1D' module: a Linear whose weight is stored transposed.
         transposed = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
-        missing = [k for k in ours if k != "lm_head.weight" and k.removeprefix("transformer.") not in theirs]
+        ours = {}
+        for k, w in theirs.items():
+            k = "transformer." + k.removeprefix("transformer.")
+            if not k.endswith((".attn.bias", ".attn.masked_bias")) and k != "transformer.lm_head.weight":
+                ours[k] = w.t() if k.endswith(transposed) else w
+        expected = model.state_dict()
+        missing = [k for k in expected if k not in ours and k != "lm_head.weight"]
         if missing:
             raise SystemExit(f"error: {weights_file} lacks {len(missing)} GPT-2 tensors, e.g. {missing[0]}")
-        with torch.no_grad():
-            for k in ours:
-                if k == "lm_head.weight":
-                    continue
-                w = theirs[k.removeprefix("transformer.")]
-                if k.endswith(transposed):
-                    w = w.t()
-                if w.shape != ours[k].shape:
-                    raise SystemExit(f"error: {weights_file}: {k} has shape {tuple(w.shape)}, expected {tuple(ours[k].shape)}")
-                ours[k].copy_(w)
+        for k, w in ours.items():
+            if k in expected and w.shape != expected[k].shape:
+                raise SystemExit(f"error: {weights_file}: {k} has shape {tuple(w.shape)}, expected {tuple(expected[k].shape)}")
+        model.load_state_dict(ours, strict=False)
         return model
 
     def configure_optimizer(self, weight_decay, learning_rate, device_type):
@@ -330,12 +323,8 @@ class GPT(nn.Module):
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
         # fused AdamW runs the whole update in one kernel; PyTorch has it for CPU since 2.4
-        fused = "fused" in inspect.signature(torch.optim.AdamW).parameters and device_type in ("cpu", "cuda", "xpu")
-        try:
-            optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused)
-        except RuntimeError:
-            fused = False
-            optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8)
+        fused = device_type in ("cpu", "cuda", "xpu")
+        optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused)
         return optimizer, fused
 
 
@@ -352,7 +341,7 @@ PADDED_VOCAB_SIZE = 50304  # 50257 rounded up to a multiple of 128: friendlier m
 # Data: uint16 token shards (np.save), memory-mapped, shuffled deterministically
 
 
-def find_shards(data_dir, split):
+def find_shards(data_dir, split):  # fineweb.py names them edu_fineweb_{train,val}_NNNNNN.npy
     return sorted(f for f in glob.glob(os.path.join(data_dir, "*.npy")) if split in os.path.basename(f))
 
 
@@ -395,8 +384,7 @@ class DataLoader:
         self.epoch, self.shard, self.block = 0, 0, 0
         self._load_orders()
 
-    def _load_orders(self):
-        # permutations are a pure function of (seed, epoch, shard): nothing else to store or restore
+    def _load_orders(self):  # permutations are a pure function of (seed, epoch, shard): nothing else to store
         rng = np.random.default_rng([self.seed, self.epoch])
         self.shard_order = rng.permutation(len(self.shards))
         n_blocks = (len(self.shards[self.shard_order[self.shard]]) - 1) // self.T
@@ -449,152 +437,6 @@ def val_batches(data_dir, T, val_tokens, B, rank, world_size):
 
 
 # -----------------------------------------------------------------------------
-# Distributed setup: the same script under torchrun, mpirun (MPICH, Intel MPI, Open MPI) or srun
-
-
-def detect_launch(env=os.environ):
-    """(rank, world_size, local_rank, local_world_size, launcher) from the launcher's variables.
-
-    No flags needed: every launcher already tells each process who it is, each under its own
-    names. The order matters where they overlap (mpirun inside a Slurm allocation sees both).
-    A missing local size is taken as 1, i.e. "this job may span hosts", which only has the
-    effect of insisting on an explicit MASTER_ADDR."""
-    def read(name, default=None):
-        value = env.get(name, default)
-        try:
-            return int(value)
-        except (TypeError, ValueError):
-            raise SystemExit(f"error: launcher variable {name}={value!r} is not an integer") from None
-
-    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun (or set by hand)
-        launcher = "torchrun"
-        rank, world = read("RANK"), read("WORLD_SIZE")
-        local_rank, local_world = read("LOCAL_RANK", 0), read("LOCAL_WORLD_SIZE", world)
-    elif "OMPI_COMM_WORLD_RANK" in env:  # Open MPI's mpirun
-        launcher = "openmpi"
-        rank, world = read("OMPI_COMM_WORLD_RANK"), read("OMPI_COMM_WORLD_SIZE")
-        local_rank, local_world = read("OMPI_COMM_WORLD_LOCAL_RANK", 0), read("OMPI_COMM_WORLD_LOCAL_SIZE", 1)
-    elif "PMI_RANK" in env and "PMI_SIZE" in env:  # MPICH and Intel MPI (their hydra launcher)
-        launcher = "mpich"
-        rank, world = read("PMI_RANK"), read("PMI_SIZE")
-        local_rank, local_world = read("MPI_LOCALRANKID", 0), read("MPI_LOCALNRANKS", 1)
-    elif "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
-        # Slurm, but only inside a job step (srun): under salloc or sbatch, every process started
-        # without srun inherits the allocation's SLURM_PROCID=0 and would believe it is rank 0.
-        launcher = "slurm"
-        rank, world, local_rank = read("SLURM_PROCID"), read("SLURM_NTASKS", 1), read("SLURM_LOCALID", 0)
-        # SLURM_STEP_TASKS_PER_NODE looks like "2(x3),1": the number of tasks on each node, in node order
-        per_node = []
-        for part in env.get("SLURM_STEP_TASKS_PER_NODE", str(world)).split(","):
-            m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
-            if not m:
-                raise SystemExit(f"error: cannot parse SLURM_STEP_TASKS_PER_NODE={env['SLURM_STEP_TASKS_PER_NODE']!r}")
-            per_node += [int(m.group(1))] * int(m.group(2) or 1)
-        node = read("SLURM_NODEID", 0)
-        local_world = per_node[node] if node < len(per_node) else 1
-    else:
-        return 0, 1, 0, 1, "single"
-    if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
-        raise SystemExit(f"error: inconsistent {launcher} variables: rank {rank} of {world}, "
-                         f"local rank {local_rank} of {local_world}")
-    return rank, world, local_rank, local_world, launcher
-
-
-def physical_cores(cpus=None):
-    """Physical cores among the given logical CPUs (default: those this process may run on).
-    Hyper-threads of one core share its vector units, so a matmul thread per hyper-thread
-    only adds contention."""
-    if cpus is None:
-        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    cpus = set(cpus)
-    try:
-        cores = set()
-        with open("/proc/cpuinfo") as f:
-            info = {}
-            for line in f.read().splitlines() + [""]:
-                if ":" in line:
-                    key, value = (s.strip() for s in line.split(":", 1))
-                    info[key] = value
-                elif info:
-                    cpu = int(info.get("processor", -1))
-                    if cpu in cpus:
-                        cores.add((info.get("physical id"), info.get("core id", cpu)))
-                    info = {}
-        return max(1, len(cores)) if cores else len(cpus)
-    except (OSError, ValueError):
-        return max(1, len(cpus))
-
-
-def ranks_sharing_cpus(mine, host, everyone, local_world):
-    """How many ranks of this node (mine among them) run on CPUs that overlap mine.
-
-    everyone: (hostname, CPU list) of every rank. Capped by the launcher's count of ranks on this
-    node, since hosts in containers or network namespaces can share a hostname."""
-    return max(1, min(local_world, sum(h == host and not mine.isdisjoint(cpus) for h, cpus in everyone)))
-
-
-def cpu_list(cpus):
-    """{0,1,2,3,8} -> '0-3,8', the notation of taskset and /proc/self/status."""
-    out, cpus = [], sorted(cpus)
-    for i, c in enumerate(cpus):
-        if i and c == cpus[i - 1] + 1:
-            out[-1][1] = c
-        else:
-            out.append([c, c])
-    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in out)
-
-
-def choose_backend(requested, device_type):
-    """The process group backend: oneCCL when Intel's bindings are installed, else PyTorch's own."""
-    if requested in ("ccl", "auto") and device_type in ("cpu", "xpu"):
-        # importing Intel's oneCCL bindings is what registers the 'ccl' backend with torch.distributed
-        try:
-            import oneccl_bindings_for_pytorch  # noqa: F401
-            return "ccl"
-        except ModuleNotFoundError as e:
-            if requested == "ccl" or e.name != "oneccl_bindings_for_pytorch":
-                raise SystemExit(f"error: --backend ccl needs Intel's oneccl_bindings_for_pytorch ({e}); "
-                                 "see requirements-intel.txt, or pass --backend gloo") from None
-        except Exception as e:  # installed but broken (a missing libccl.so, a torch version mismatch)
-            raise SystemExit(f"error: oneccl_bindings_for_pytorch is installed but fails to import "
-                             f"({type(e).__name__}: {e}); fix it, or pass --backend gloo") from None
-    if requested == "auto":
-        return {"cuda": "nccl", "xpu": "xccl"}.get(device_type, "gloo")
-    wants = {"ccl": ("cpu", "xpu"), "nccl": ("cuda",), "xccl": ("xpu",), "gloo": ("cpu", "cuda")}[requested]
-    if device_type not in wants:
-        raise SystemExit(f"error: --backend {requested} does not work with --device {device_type}")
-    return requested
-
-
-def find_ipex(mode, device_type):
-    """Intel Extension for PyTorch when --ipex asks for it (on) or allows it (auto) and it can run, else None.
-
-    Optional: Intel stopped developing IPEX after 2.8, and it runs only with the torch minor version
-    it was built for; a mismatch is a clear error with --ipex on and a quiet skip with auto."""
-    if mode == "off":
-        return None
-    if device_type not in ("cpu", "xpu"):
-        if mode == "on":
-            raise SystemExit(f"error: --ipex on needs --device cpu or xpu, not {device_type}")
-        return None
-    import importlib.metadata
-    import importlib.util
-    if importlib.util.find_spec("intel_extension_for_pytorch") is None:
-        if mode == "on":
-            raise SystemExit("error: --ipex on, but intel_extension_for_pytorch is not installed "
-                             "(pip install -r requirements-intel.txt, or pass --ipex off)")
-        return None
-    version = importlib.metadata.version("intel_extension_for_pytorch")
-    if version.split(".")[:2] != torch.__version__.split(".")[:2]:
-        if mode == "on":
-            raise SystemExit(f"error: --ipex on, but intel_extension_for_pytorch {version} needs torch "
-                             f"{'.'.join(version.split('.')[:2])}.*, not {torch.__version__} (see requirements-intel.txt)")
-        return None
-    import intel_extension_for_pytorch as ipex
-    return ipex
-
-
-# -----------------------------------------------------------------------------
 # Learning rate: linear warmup, then cosine decay to min_lr (build-nanogpt's get_lr)
 
 
@@ -606,60 +448,6 @@ def get_lr(it, warmup_steps, max_steps, max_lr, min_lr):
     decay_ratio = (it - warmup_steps) / (max_steps - warmup_steps)
     coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))  # goes from 1 to 0
     return min_lr + coeff * (max_lr - min_lr)
-
-
-# -----------------------------------------------------------------------------
-# torch.compile: the first step traces the model and compiles C++ kernels for it (~30 s for
-# GPT-2 124M on 2 cores); the kernels are cached on disk, so a later run starts in a few seconds
-
-
-def compile_cache_dir():
-    """Where torch.compile keeps its kernels: $TORCHINDUCTOR_CACHE_DIR if set, else ~/.cache/gpt2-cpu/inductor
-    (PyTorch's own default, /tmp/torchinductor_$USER, is emptied at every reboot)."""
-    default = os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")), "gpt2-cpu", "inductor")
-    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default)
-
-
-# -----------------------------------------------------------------------------
-# Memory: keep what was freed. A training step allocates and frees the same big tensors every time
-# (activations, logits chunks, gradients). glibc's malloc serves every block over 32 MB with its own
-# mmap and unmaps it when freed, so each step the kernel hands those pages back one 4 KB page fault
-# at a time, zero-filled: ~550,000 faults, about a sixth of a 124M step on a 2-core VM. Telling malloc
-# never to use mmap for big blocks, and never to give the top of its heap back, lets the second step
-# reuse the first one's memory: no faults after warm-up (bench.py shows faults/step and the A/B).
-
-
-def keep_freed_memory():
-    """mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, -1) where the C library is glibc; True if set.
-    Another allocator (LD_PRELOAD of tcmalloc, jemalloc; macOS) keeps its own policy."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # only glibc has it (musl's mallopt does nothing)
-    except (OSError, AttributeError):
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # from glibc's malloc.h
-    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))
-
-
-# What forward keeps for backward: left to itself, torch.compile keeps every tensor backward will read
-# (the MLP's input and its GELU output, a bf16 copy of each weight, ...). Given a budget below 1, its
-# partitioner recomputes the cheapest of them during backward instead. Measured at GPT-2 124M, B=4,
-# T=1024 with bench.py --ab: budget 1 peaks at 4.0 GiB; 0.9 at 3.2 GiB, 1.02x faster than 0.8 and
-# 0.97-1.0x as fast as 1; 0.5 also recomputes attention and is 20% slower.
-ACTIVATION_MEMORY_BUDGET = 0.9
-
-
-def compile_model(model, memory_budget=None):
-    import torch._functorch.config
-    torch._functorch.config.activation_memory_budget = memory_budget or ACTIVATION_MEMORY_BUDGET
-    return torch.compile(model)
-
-
-def can_compile(device_type):
-    """On CPU, torch.compile needs a C++ compiler; without one it would fail at the first step."""
-    return device_type != "cpu" or any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++"))
 
 
 # -----------------------------------------------------------------------------
@@ -690,9 +478,21 @@ def load_checkpoint(path):
         raise SystemExit(f"error: cannot load checkpoint {path}: {one_line(e)}")
 
 
-def append_log(log_dir, line):
-    with open(os.path.join(log_dir, "log.txt"), "a") as f:
-        f.write(line + "\n")
+def load_model(name_or_path):
+    """One of our checkpoints (.pt), or what GPT.from_pretrained reads (gpt2..gpt2-xl, a Hugging Face-layout folder)."""
+    if not os.path.isfile(name_or_path):
+        return GPT.from_pretrained(name_or_path)
+    ckpt = load_checkpoint(name_or_path)
+    model = GPT(GPTConfig(**ckpt["config"]))
+    model.load_state_dict(ckpt["model"])
+    return model
+
+
+def append_log(log_dir, ranks, *lines):
+    """log.txt: one line per measurement ('STEP KIND VALUE'), written by rank 0 alone; play.ipynb plots it."""
+    if ranks.master:
+        with open(os.path.join(log_dir, "log.txt"), "a") as f:
+            f.write("".join(line + "\n" for line in lines))
 
 
 # -----------------------------------------------------------------------------
@@ -753,63 +553,32 @@ DEMO_ARGS = dict(n_layer=4, n_head=4, n_embd=256, block_size=256, seq_len=256, b
                  checkpoint_interval=60, log_dir="log_demo")
 
 
-def build_demo_shards(out_dir, max_tokens=8_000_000):
-    """Tokenize the standard library's .py files into one val and one train shard (cached)."""
-    done = os.path.join(out_dir, "demo_train_000001.npy")
-    if os.path.exists(done):
-        return
-    os.makedirs(out_dir, exist_ok=True)
-    stdlib = os.path.dirname(os.__file__)
-    files = sorted(glob.glob(os.path.join(stdlib, "**", "*.py"), recursive=True))
-    files = [f for f in files if "site-packages" not in f and "test" not in os.path.relpath(f, stdlib)]
-    docs = []
-    for path in files:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            docs.append(f.read())
-    enc = tokenizer.get_encoding()
-    tokens, n = [], 0
-    for ids in enc.encode_ordinary_batch(docs, num_threads=os.cpu_count() or 1):
-        tokens.append([tokenizer.EOT] + ids)  # every document starts with <|endoftext|>
-        n += len(ids) + 1
-        if n >= max_tokens:
-            break
-    # whole documents only: every 20th goes to val, so no document is split between the two
-    val = np.concatenate([t for i, t in enumerate(tokens) if i % 20 == 0]).astype(np.uint16)
-    train = np.concatenate([t for i, t in enumerate(tokens) if i % 20 != 0]).astype(np.uint16)
-    for name, arr in (("demo_val_000000.npy", val), ("demo_train_000001.npy", train)):
-        tmp = os.path.join(out_dir, f"{name}.{os.getpid()}.tmp.npy")  # ranks on one host may build at once
-        np.save(tmp, arr)
-        os.replace(tmp, os.path.join(out_dir, name))
+def print_next_steps(args, ranks):
+    """The demo's last words: where its results went, and what to try next."""
+    found = list_checkpoints(args.log_dir)
+    ckpt = found[-1] if found else "(none: --checkpoint_interval 0)"
+    ranks.print0(f"\ndemo finished: checkpoint {ckpt}, log {os.path.join(args.log_dir, 'log.txt')}. Next:\n"
+                 f"  python sample.py --ckpt_path {ckpt} --prompt 'def '   # what it learned to write\n"
+                 f"  jupyter notebook play.ipynb    # the loss curves (set log_dir = \"{args.log_dir}\" in its first cell)\n"
+                 f"  python fineweb.py, then python train_gpt2.py    # the real thing: GPT-2 (124M) on FineWeb-Edu")
 
 
 # -----------------------------------------------------------------------------
-# Training
+# The stages of a run. main() at the bottom tells the story; each stage is one function here.
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
+def resolve_args(argv, ranks):
+    """The run's arguments: the command line, or, with --resume, the checkpoint's run arguments overridden
+    by the flags given now; the demo's settings when there is no data. Returns (args, checkpoint, its path)."""
     args = build_parser().parse_args(argv)
     given = vars(build_parser(defaults=False).parse_args(argv))  # only the flags on the command line
-    compile_cache_dir()  # now: building the optimizer already makes torch settle on a cache folder
-    keep_freed_memory()  # before the first big tensor
-
-    # --- distributed setup ------------------------------------------------------
-    rank, world_size, local_rank, local_world, launcher = detect_launch()
-    master = rank == 0
-
-    def print0(*a, **k):
-        if master:
-            print(*a, **k, flush=True)
-
-    # --- resume: the checkpoint's run arguments, overridden by flags given now ----
-    log_dir = args.log_dir
     ckpt, ckpt_file = None, None
     if args.resume:
         ckpt_file = args.resume
         if ckpt_file == "latest":
-            found = list_checkpoints(log_dir)
+            found = list_checkpoints(args.log_dir)
             if not found:
-                raise SystemExit(f"error: --resume: no model_*.pt checkpoint in --log_dir {log_dir}")
+                raise SystemExit(f"error: --resume: no model_*.pt checkpoint in --log_dir {args.log_dir}")
             ckpt_file = found[-1]
         if not os.path.isfile(ckpt_file):
             raise SystemExit(f"error: --resume: checkpoint {ckpt_file} not found")
@@ -818,12 +587,9 @@ def main(argv=None):
         saved.update({k: v for k, v in given.items() if k in saved})
         saved.update(resume=args.resume, overwrite=False, log_dir=given.get("log_dir", saved["log_dir"]))
         args = argparse.Namespace(**saved)
-        log_dir = args.log_dir
-
-    # --- demo mode: no shards in the default data dir ----------------------------
     if not args.resume and (args.demo or (not find_shards(args.data_dir, "train") and "data_dir" not in given)):
         if not args.demo:
-            print0(f"no shards in {args.data_dir}/ (run fineweb.py to make them): running the demo instead")
+            ranks.print0(f"no shards in {args.data_dir}/ (run fineweb.py to make them): running the demo instead")
         for k, v in DEMO_ARGS.items():
             if k not in given:
                 setattr(args, k, v)
@@ -831,10 +597,14 @@ def main(argv=None):
         args.data_dir = os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")), "gpt2-cpu", "demo")
         # every rank builds (or finds) the shards: the cache is per host, and a rank that skipped
         # this would race rank 0 to read files not yet written
-        build_demo_shards(args.data_dir)
-    log_dir = args.log_dir
+        import fineweb
+        fineweb.build_demo_shards(args.data_dir)
+    return args, ckpt, ckpt_file
 
-    # --- validate everything cheap before anything expensive --------------------
+
+def check_run(args, ranks):
+    """Everything cheap to check, before anything expensive. Returns (train loader, gradient accumulation steps)."""
+    world_size = ranks.world_size
     if not os.path.isdir(args.data_dir):
         raise SystemExit(f"error: --data_dir {args.data_dir} does not exist (make shards with fineweb.py)")
     if args.seq_len > args.block_size and args.init_from == "scratch":
@@ -843,320 +613,244 @@ def main(argv=None):
     if args.total_batch_size % tokens_per_micro:
         raise SystemExit(f"error: --total_batch_size {args.total_batch_size} is not divisible by --batch_size "
                          f"{args.batch_size} x --seq_len {args.seq_len} x world size {world_size} = {tokens_per_micro}")
-    grad_accum_steps = args.total_batch_size // tokens_per_micro
     for flag in ("batch_size", "seq_len", "max_steps", "n_layer", "n_head", "n_embd"):
         if getattr(args, flag) <= 0:
             raise SystemExit(f"error: --{flag} must be positive")
     if args.n_embd % args.n_head:
         raise SystemExit(f"error: --n_embd {args.n_embd} is not divisible by --n_head {args.n_head}")
-    train_loader = DataLoader(args.data_dir, "train", args.batch_size, args.seq_len, rank, world_size, args.seed)
+    if args.threads < 0:
+        raise SystemExit(f"error: --threads {args.threads} must be 0 (automatic) or positive")
+    if not args.dist_timeout > 0:
+        raise SystemExit(f"error: --dist_timeout {args.dist_timeout} must be a positive number of seconds")
+    train_loader = DataLoader(args.data_dir, "train", args.batch_size, args.seq_len, ranks.rank, world_size, args.seed)
     if args.eval_interval > 0:
         val_files = find_shards(args.data_dir, "val")
         if not val_files:
             raise SystemExit(f"error: no shards with 'val' in their name in --data_dir {args.data_dir} (or pass --eval_interval 0)")
         check_enough_tokens([open_shard(f) for f in val_files], val_files, args.seq_len, "val")
-    has_run = os.path.exists(os.path.join(log_dir, "log.txt")) or list_checkpoints(log_dir)
+    has_run = os.path.exists(os.path.join(args.log_dir, "log.txt")) or list_checkpoints(args.log_dir)
     if has_run and not args.resume and not args.overwrite:
-        raise SystemExit(f"error: --log_dir {log_dir} already holds a run; continue it with --resume, "
+        raise SystemExit(f"error: --log_dir {args.log_dir} already holds a run; continue it with --resume, "
                          "choose another --log_dir, or pass --overwrite to replace it")
+    return train_loader, args.total_batch_size // tokens_per_micro
 
-    # --- device, threads, process group -----------------------------------------
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "xpu" if hasattr(torch, "xpu") and torch.xpu.is_available() else "cpu"
-    device = args.device
-    device_type = device.split(":")[0]
-    if device_type not in ("cpu", "cuda", "xpu", "mps"):
-        raise SystemExit(f"error: --device {device}: expected auto, cpu, cuda[:N], xpu or mps")
-    if device_type != "cpu" and not getattr(torch, device_type).is_available():
-        raise SystemExit(f"error: --device {device}: this torch build or machine has no {device_type} device")
-    if device_type == "cuda" and world_size > 1:
-        device = f"cuda:{local_rank}"
-        torch.cuda.set_device(device)
-    if args.threads < 0:
-        raise SystemExit(f"error: --threads {args.threads} must be 0 (automatic) or positive")
-    ipex = find_ipex(args.ipex, device_type)  # imported now, applied once the model and optimizer exist
-    if not args.dist_timeout > 0:
-        raise SystemExit(f"error: --dist_timeout {args.dist_timeout} must be a positive number of seconds")
-    if world_size > 1:
-        import torch.distributed as dist
-        # torchrun sets MASTER_ADDR/MASTER_PORT (where rank 0 listens for the others); MPI and Slurm
-        # do not. On one host the answer is obvious; across hosts only the user knows rank 0's address,
-        # and guessing wrong would leave every rank waiting for --dist_timeout.
-        if "MASTER_ADDR" not in os.environ:
-            if local_world < world_size:
-                hint = {"mpich": "mpirun -genv MASTER_ADDR <rank 0's host> ...",
-                        "openmpi": "export MASTER_ADDR=<rank 0's host>, then mpirun -x MASTER_ADDR ...",
-                        "slurm": 'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'}
-                # every rank finds the same; rank 0 says it, the others leave quietly
-                raise SystemExit(f"error: this {launcher} job spans several hosts but MASTER_ADDR is not set: export "
-                                 f"MASTER_ADDR=<hostname or IP of rank 0's node> (optionally MASTER_PORT, default 29500) "
-                                 f"for every rank, e.g. {hint.get(launcher, 'MASTER_ADDR=node0 MASTER_PORT=29500')}"
-                                 if master else 1)
-            os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ.setdefault("MASTER_PORT", "29500")
-        backend = choose_backend(args.backend, device_type)
-        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-        try:  # the timeout bounds both this rendezvous and every later collective
-            dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=args.dist_timeout))
-        except (RuntimeError, ValueError) as e:
-            raise SystemExit(f"error: rank {rank} could not join the {world_size} ranks at {where} "
-                             f"(backend {backend}, --dist_timeout {args.dist_timeout:g}s): {e}") from None
-        print0(f"distributed: {launcher}, world size {world_size}, backend {backend}, master {where}")
-    if device_type == "cpu":
-        # One matmul thread per physical core, shared among the ranks on this node. A launcher that
-        # pins each rank to its own cores (Intel MPI does by default; mpirun -bind-to core) already
-        # did the dividing: ranks whose CPU sets don't overlap need not divide again.
-        mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-        sharing = local_world
-        if not args.threads and world_size > 1:  # a collective: every rank takes part, whatever its node
-            import socket
-            everyone = [None] * world_size
-            dist.all_gather_object(everyone, (socket.gethostname(), sorted(mine)))
-            sharing = ranks_sharing_cpus(mine, socket.gethostname(), everyone, local_world)
-        torch.set_num_threads(args.threads or max(1, physical_cores(mine) // sharing))
-        print0(f"threads: {torch.get_num_threads()} torch threads per rank "
-               f"({'--threads' if args.threads else f'{physical_cores(mine)} physical cores / {sharing} rank(s)'}), "
-               f"{local_world} rank(s) on this node, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
-               f"affinity {cpu_list(mine)}")
 
-    # --- model ----------------------------------------------------------------
+def start_ranks(args, ranks):
+    """Pick the device, join the other ranks (the process group), and set the CPU threads."""
+    ranks.device = machine.pick_device(args.device, ranks.local_rank, ranks.world_size)
+    device_type = ranks.device.split(":")[0]
+    ipex = machine.find_ipex(args.ipex, device_type)  # imported now, applied once the model and optimizer exist
+    if ranks.world_size > 1:
+        # oneCCL when Intel's bindings are installed (the fastest all-reduce across Xeon nodes), else gloo on CPU
+        backend = machine.choose_backend(args.backend, device_type)
+        where = machine.init_process_group(backend, ranks.rank, ranks.world_size, ranks.local_world,
+                                           ranks.launcher, args.dist_timeout)
+        ranks.print0(f"distributed: {ranks.launcher}, world size {ranks.world_size}, backend {backend}, master {where}")
+    if device_type == "cpu":  # one matmul thread per physical core, shared among the ranks on this node
+        ranks.print0(machine.set_cpu_threads(args.threads, ranks.world_size, ranks.local_world))
+    return ipex
+
+
+def build_model(args, ckpt):
+    """The checkpoint's weights when resuming; else a scratch GPT-2, OpenAI's weights, or one of our checkpoints."""
     torch.manual_seed(args.seed)  # same initial weights on every rank
     if ckpt is not None:
         model = GPT(GPTConfig(**ckpt["config"]))
         model.load_state_dict(ckpt["model"])
-    elif args.init_from == "scratch":
-        model = GPT(GPTConfig(block_size=args.block_size, vocab_size=PADDED_VOCAB_SIZE,
-                              n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd))
-    elif os.path.isfile(args.init_from):  # fine-tune from one of our checkpoints
-        init = load_checkpoint(args.init_from)
-        model = GPT(GPTConfig(**init["config"]))
-        model.load_state_dict(init["model"])
-    else:
-        model = GPT.from_pretrained(args.init_from)
-    config = model.config
-    if args.seq_len > config.block_size:
-        raise SystemExit(f"error: --seq_len {args.seq_len} is longer than the model's context {config.block_size}")
-    model.to(device)
-    n_params = sum(p.numel() for p in model.parameters())
-    print0(f"model: {n_params / 1e6:.2f}M parameters, {config}")
+        return model
+    if args.init_from == "scratch":
+        return GPT(GPTConfig(block_size=args.block_size, vocab_size=PADDED_VOCAB_SIZE,
+                             n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd))
+    return load_model(args.init_from)
 
+
+def prepare_training(args, ranks, model, ckpt, ckpt_file, train_loader, ipex):
+    """The optimizer, the resumed state, then the wrappers: IPEX, torch.compile, DDP. Returns (model, optimizer, first step)."""
+    device_type = ranks.device.split(":")[0]
     optimizer, fused = model.configure_optimizer(args.weight_decay, args.max_lr, device_type)
-    print0(f"optimizer: AdamW, fused={fused}")
+    ranks.print0(f"optimizer: AdamW, fused={fused}")
     start_step = 0
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
         train_loader.load_state_dict(ckpt["loader"])
         torch.set_rng_state(ckpt["rng"]["torch"])
         start_step = ckpt["step"]
-        print0(f"resumed from {ckpt_file} at step {start_step}")
-    del ckpt
-
-    # Intel Extension for PyTorch: after any checkpoint is loaded (checkpoints hold plain weights and
-    # optimizer state), before DDP (which must wrap the parameters IPEX trains). inplace: no second copy.
+        ranks.print0(f"resumed from {ckpt_file} at step {start_step}")
     if ipex is not None:
-        ipex_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-        model, optimizer = ipex.optimize(model, optimizer=optimizer, dtype=ipex_dtype, inplace=True)
-        print0(f"ipex: intel_extension_for_pytorch {ipex.__version__}, optimize(dtype={ipex_dtype}) "
-               f"(--ipex {args.ipex}; --ipex off to train without it)")
-
-    # torch.compile turns the training forward and backward into fused C++ kernels (bench.py measures
-    # what that brings). Only training runs compiled: validation, HellaSwag and sampling call raw_model,
-    # the same weights run eagerly, because their shapes change (a shorter last batch, a growing KV cache)
-    # and every new shape would mean another compilation.
-    raw_model = model
-    if args.compile and ipex is not None:
-        # measured here: torch.compile over an ipex.optimize'd model leaves the blocks' LayerNorm
-        # parameters without gradients (tests/test_ipex.py), so the two are not combined
-        print0("compile: off, because IPEX optimized the model (--ipex off to compile instead)")
-        args.compile = False
-    if args.compile and not can_compile(device_type):
-        print0("warning: --compile needs a C++ compiler (g++ or clang++, or $CXX) and none was found: "
-               "training without it (install one, or pass --no-compile to silence this)")
-        args.compile = False
+        model, optimizer = machine.apply_ipex(ipex, model, optimizer, args, ranks.print0)
+    # torch.compile turns the training forward and backward into fused C++ kernels (bench/bench_train.py
+    # measures what that brings). Only training runs compiled: validation, HellaSwag and sampling call the
+    # raw model, the same weights run eagerly, because their shapes change (a shorter last batch, a growing
+    # KV cache) and every new shape would mean another compilation.
     if args.compile:
-        print0(f"compile: torch.compile, kernels cached in {compile_cache_dir()}")
-        model = compile_model(model)
-    if world_size > 1:
+        model = machine.compile_if_possible(model, args, ipex, device_type, ranks.print0)
+    if ranks.world_size > 1:
         # every rank must continue from the same checkpoint: DDP copies rank 0's weights to the others
         # when it wraps, but not the optimizer state nor the data position
-        starts = [None] * world_size
-        torch.distributed.all_gather_object(starts, start_step)
-        if len(set(starts)) > 1:
-            raise SystemExit(f"error: the ranks resumed from different steps {starts}: give every rank the same "
-                             "checkpoint (a --log_dir on a shared file system, or the same --resume file)")
+        machine.check_same_start(ranks, start_step)
         # DDP averages the gradients across ranks during backward, bucket by bucket, overlapping
         # communication with the rest of the backward pass
         from torch.nn.parallel import DistributedDataParallel as DDP
-        model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
-    autocast = (torch.autocast(device_type=device_type, dtype=torch.bfloat16)
-                if args.dtype == "bf16" else nullcontext())
+        model = DDP(model, device_ids=[ranks.local_rank] if device_type == "cuda" else None)
+    return model, optimizer, start_step
 
-    if master:
-        os.makedirs(log_dir, exist_ok=True)
-        if args.overwrite and not args.resume:
-            for f in list_checkpoints(log_dir):
-                os.remove(f)
-            open(os.path.join(log_dir, "log.txt"), "w").close()
-        else:
-            open(os.path.join(log_dir, "log.txt"), "a").close()
-    print0(f"total batch {args.total_batch_size} tokens = {args.batch_size} x {args.seq_len} x {world_size} rank(s) "
-           f"x {grad_accum_steps} accumulation steps")
 
-    def all_reduce_sum(t):
-        if world_size > 1:
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)  # SUM: AVG is not on every CPU backend
-        return t
+def prepare_log_dir(args, ranks):
+    """log.txt is appended to; --overwrite first deletes the old run's checkpoints and log."""
+    if ranks.master:
+        os.makedirs(args.log_dir, exist_ok=True)
+        for f in list_checkpoints(args.log_dir) if args.overwrite and not args.resume else []:
+            os.remove(f)
+        open(os.path.join(args.log_dir, "log.txt"), "w" if args.overwrite and not args.resume else "a").close()
 
-    hellaswag_failed = False
+
+def evaluate_val_loss(args, ranks, model, autocast):
+    """The mean loss over the same val tokens whatever the batch size or world size."""
+    model.eval()
+    stats = torch.zeros(2, dtype=torch.float64, device=ranks.device)  # summed loss, token count
+    with torch.no_grad():
+        for x, y in val_batches(args.data_dir, args.seq_len, args.val_tokens, args.batch_size, ranks.rank, ranks.world_size):
+            x, y = x.to(ranks.device), y.to(ranks.device)
+            with autocast:
+                _, loss = model(x, y)
+            stats += torch.tensor([loss.item() * y.numel(), y.numel()], dtype=torch.float64, device=ranks.device)
+    ranks.all_reduce_sum(stats)
+    return (stats[0] / stats[1]).item()
+
+
+def print_samples(ranks, model, autocast):
+    """Four continuations of one prompt, to see what the model has learned."""
+    model.eval()
+    prompt = torch.tensor([tokenizer.encode("Hello, I'm a language model,")] * 4, device=ranks.device)
+    gen = torch.Generator(device=ranks.device).manual_seed(42 + ranks.rank)
+    with autocast:
+        new = torch.stack(list(model.generate(prompt, 32, top_k=50, generator=gen)), dim=1)
+    for i, row in enumerate(torch.cat((prompt, new), dim=1).tolist()):
+        print(f"sample {i}: {tokenizer.decode(row)}", flush=True)
+
+
+def save_checkpoint(args, step, model, optimizer, train_loader, val_loss):
+    """Everything an exact resume needs: weights, optimizer moments, data position, RNG, run arguments."""
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "config": asdict(model.config),
+        "step": step,
+        "args": dict(vars(args)),
+        "loader": train_loader.state_dict(),
+        "rng": {"torch": torch.get_rng_state()},
+        "val_loss": val_loss,
+    }
+    atomic_save(state, checkpoint_path(args.log_dir, step))
+    if args.keep_checkpoints > 0:
+        for old in list_checkpoints(args.log_dir)[:-args.keep_checkpoints]:
+            os.remove(old)
+
+
+def train_step(args, ranks, step, model, optimizer, train_loader, grad_accum_steps, autocast):
+    """One optimizer step over total_batch_size tokens: grad_accum_steps micro-batches on every rank.
+    Returns (mean loss, gradient norm, learning rate)."""
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    loss_accum = torch.zeros((), device=ranks.device)
+    for micro_step in range(grad_accum_steps):
+        x, y = train_loader.next_batch()
+        x, y = x.to(ranks.device), y.to(ranks.device)
+        # DDP all-reduces gradients during backward; only the last micro-step needs that
+        sync = micro_step == grad_accum_steps - 1 or ranks.world_size == 1
+        with (nullcontext() if sync else model.no_sync()):
+            with autocast:
+                _, loss = model(x, y)
+            loss = loss / grad_accum_steps  # the gradient of the mean over all micro-batches
+            loss_accum += loss.detach()
+            loss.backward()
+    ranks.all_reduce_sum(loss_accum)
+    loss_accum /= ranks.world_size
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+    lr = get_lr(step, args.warmup_steps, args.max_steps, args.max_lr, args.min_lr)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    if ranks.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return loss_accum.item(), norm.item(), lr
+
+
+# -----------------------------------------------------------------------------
+# Training
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    machine.compile_cache_dir()  # now: building the optimizer already makes torch settle on a cache folder
+    machine.keep_freed_memory()  # before the first big tensor
+    # How to run is the launcher's decision: torchrun, mpirun and srun each tell every process its rank
+    # and the world size in their own variables; without one, we are a single process (world size 1).
+    ranks = machine.Ranks(*machine.detect_launch())
+    args, ckpt, ckpt_file = resolve_args(argv, ranks)
+    train_loader, grad_accum_steps = check_run(args, ranks)
+    ipex = start_ranks(args, ranks)
+
+    raw_model = build_model(args, ckpt)  # the plain GPT: evaluation and sampling run it eagerly
+    if args.seq_len > raw_model.config.block_size:
+        raise SystemExit(f"error: --seq_len {args.seq_len} is longer than the model's context {raw_model.config.block_size}")
+    raw_model.to(ranks.device)
+    ranks.print0(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters, {raw_model.config}")
+    model, optimizer, start_step = prepare_training(args, ranks, raw_model, ckpt, ckpt_file, train_loader, ipex)
+    del ckpt
+    device_type = ranks.device.split(":")[0]
+    autocast = torch.autocast(device_type=device_type, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
+    prepare_log_dir(args, ranks)
+    ranks.print0(f"total batch {args.total_batch_size} tokens = {args.batch_size} x {args.seq_len} x "
+                 f"{ranks.world_size} rank(s) x {grad_accum_steps} accumulation steps")
+
+    hellaswag_works = True
     for step in range(start_step, args.max_steps + 1):
         last_step = step == args.max_steps
         # a resumed run already did the evals and the checkpoint of its first step before saving it
         periodic = step > start_step or ckpt_file is None
-
-        # --- validation loss ----------------------------------------------------
+        due = lambda interval: periodic and interval > 0 and (step % interval == 0 or last_step)  # noqa: E731
         val_loss = None
-        if periodic and args.eval_interval > 0 and (step % args.eval_interval == 0 or last_step):
-            model.eval()
-            stats = torch.zeros(2, dtype=torch.float64, device=device)  # summed loss, token count
-            with torch.no_grad():
-                for x, y in val_batches(args.data_dir, args.seq_len, args.val_tokens, args.batch_size, rank, world_size):
-                    x, y = x.to(device), y.to(device)
-                    with autocast:
-                        _, loss = raw_model(x, y)
-                    stats += torch.tensor([loss.item() * y.numel(), y.numel()], dtype=torch.float64, device=device)
-            all_reduce_sum(stats)
-            val_loss = (stats[0] / stats[1]).item()
-            print0(f"validation loss: {val_loss:.4f}")
-            if master:
-                append_log(log_dir, f"{step} val {val_loss:.4f}")
-
-        # --- HellaSwag ------------------------------------------------------------
-        if (periodic and args.hellaswag_interval > 0 and not hellaswag_failed
-                and (step % args.hellaswag_interval == 0 or last_step)):
-            try:
-                import hellaswag
-                examples = hellaswag.load_examples("val", data_dir=args.hellaswag_dir)
-            except (Exception, SystemExit) as e:  # no data is no reason to stop training
-                print0(f"warning: HellaSwag disabled: {e}")
-                hellaswag_failed = True
-            else:
-                model.eval()
-                result = hellaswag.evaluate(raw_model, examples, device=device, dtype=args.dtype,
-                                            batch_size=args.batch_size, rank=rank, world_size=world_size)
-                print0(f"HellaSwag accuracy: {result['num_correct_norm']}/{result['num_total']}={result['acc_norm']:.4f}")
-                if master:
-                    append_log(log_dir, f"{step} hella {result['acc_norm']:.4f}")
-
-        # --- a sample, to see what the model has learned --------------------------
-        if (periodic and args.sample_interval > 0 and (step % args.sample_interval == 0 or last_step)
-                and (step > 0 or last_step) and master):
-            model.eval()
-            prompt = torch.tensor([tokenizer.encode("Hello, I'm a language model,")] * 4, device=device)
-            gen = torch.Generator(device=device).manual_seed(42 + rank)
-            with autocast:
-                new = torch.stack(list(raw_model.generate(prompt, 32, top_k=50, generator=gen)), dim=1)
-            for i, row in enumerate(torch.cat((prompt, new), dim=1).tolist()):
-                print(f"sample {i}: {tokenizer.decode(row)}", flush=True)
-
-        # --- checkpoint -------------------------------------------------------------
-        if (periodic and step > 0 and args.checkpoint_interval > 0
-                and (step % args.checkpoint_interval == 0 or last_step) and master):
-            state = {
-                "model": raw_model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "config": asdict(config),
-                "step": step,
-                "args": {k: v for k, v in vars(args).items()},
-                "loader": train_loader.state_dict(),
-                "rng": {"torch": torch.get_rng_state()},
-                "val_loss": val_loss,
-            }
-            atomic_save(state, checkpoint_path(log_dir, step))
-            if args.keep_checkpoints > 0:
-                for old in list_checkpoints(log_dir)[:-args.keep_checkpoints]:
-                    os.remove(old)
+        if due(args.eval_interval):
+            val_loss = evaluate_val_loss(args, ranks, raw_model, autocast)
+            ranks.print0(f"validation loss: {val_loss:.4f}")
+            append_log(args.log_dir, ranks, f"{step} val {val_loss:.4f}")
+        if due(args.hellaswag_interval) and hellaswag_works:
+            import hellaswag
+            acc = hellaswag.accuracy_during_training(raw_model, args.hellaswag_dir, ranks, args.dtype, args.batch_size)
+            hellaswag_works = acc is not None  # no data is no reason to stop training: it is just not measured
+            if hellaswag_works:
+                append_log(args.log_dir, ranks, f"{step} hella {acc:.4f}")
+        if due(args.sample_interval) and (step > 0 or last_step) and ranks.master:
+            print_samples(ranks, raw_model, autocast)
+        if due(args.checkpoint_interval) and step > 0 and ranks.master:
+            save_checkpoint(args, step, raw_model, optimizer, train_loader, val_loss)
         if last_step:
             break
 
-        # --- one optimizer step -----------------------------------------------------
-        model.train()
         t0 = time.time()
-        optimizer.zero_grad(set_to_none=True)
-        loss_accum = torch.zeros((), device=device)
-        for micro_step in range(grad_accum_steps):
-            x, y = train_loader.next_batch()
-            x, y = x.to(device), y.to(device)
-            # DDP all-reduces gradients during backward; only the last micro-step needs that
-            sync = micro_step == grad_accum_steps - 1 or world_size == 1
-            with (nullcontext() if sync else model.no_sync()):
-                with autocast:
-                    _, loss = model(x, y)
-                loss = loss / grad_accum_steps  # the gradient of the mean over all micro-batches
-                loss_accum += loss.detach()
-                loss.backward()
-        all_reduce_sum(loss_accum)
-        loss_accum /= world_size
-        norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip)
-        lr = get_lr(step, args.warmup_steps, args.max_steps, args.max_lr, args.min_lr)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.step()
-        if device_type == "cuda":
-            torch.cuda.synchronize()
+        loss, norm, lr = train_step(args, ranks, step, model, optimizer, train_loader, grad_accum_steps, autocast)
         dt = time.time() - t0
-        tokens_per_sec = args.total_batch_size / dt
-        print0(f"step {step:5d} | loss {loss_accum.item():.6f} | lr {lr:.4e} | norm {norm.item():.4f} | "
-               f"dt {dt * 1000:.0f}ms | tok/sec {tokens_per_sec:.0f}")
-        if args.compile and step == start_step:
-            first_dt = dt
-        if args.compile and step == start_step + 1:  # the first step's extra time went to compiling
-            # (with kernels already in the cache the first step is barely slower, or even faster)
-            print0(f"compile: took about {max(first_dt - dt, 0):.1f} s, during the first step")
-        if master:
-            append_log(log_dir, f"{step} train {loss_accum.item():.6f}")
-            append_log(log_dir, f"{step} tok/s {tokens_per_sec:.0f}")  # play.ipynb plots it; its loss plots skip it
+        ranks.print0(f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm:.4f} | "
+                     f"dt {dt * 1000:.0f}ms | tok/sec {args.total_batch_size / dt:.0f}")
+        append_log(args.log_dir, ranks, f"{step} train {loss:.6f}", f"{step} tok/s {args.total_batch_size / dt:.0f}")
+        first_dt = dt if step == start_step else first_dt
+        if args.compile and step == start_step + 1:  # the first step's extra time went to compiling (0 if cached)
+            ranks.print0(f"compile: took about {max(first_dt - dt, 0):.1f} s, during the first step")
 
-    # every rank must hold the same weights; a checksum per rank proves it
-    # (the state dict: full fp32 weights in plain layout, also under IPEX, whose parameters are bf16 halves)
-    weights = raw_model.state_dict()
-    checksum = hashlib.sha256()
-    for k in sorted(weights):  # one tensor at a time: joining them all first would double the peak memory
-        checksum.update(weights[k].detach().cpu().float().contiguous().numpy())
-    digest = checksum.hexdigest()
-    if world_size > 1:
-        digests = [None] * world_size
-        torch.distributed.all_gather_object(digests, digest)
-        if len(set(digests)) != 1:
-            raise SystemExit(f"error: ranks hold different parameters after training: {digests}")
-        # DDP's reducer holds the process group: drop it first, so that the group is torn down here,
-        # by destroy_process_group, and not by the reducer's destructor, which runs holding Python's
-        # lock (GIL) and can deadlock with a gloo thread that needs it (seen with torch 2.8 + IPEX)
-        import gc
-        del model
-        gc.collect()
-        torch.distributed.destroy_process_group()
-    print0(f"parameter sha256 (all {world_size} rank(s)): {digest}")
-
-
-def collective_failure(e):
-    """A one-line reason when e is a failed collective (a rank died or hung, the network broke), else None."""
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    text = str(e)
-    if not (isinstance(e, dist.DistError) or any(s in text for s in ("gloo", "ccl", "Connection", "Timed out"))):
-        return None  # an ordinary bug: keep its traceback
-    reason = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-    return (f"error: rank {dist.get_rank()}: a collective with the other ranks failed, so training stops "
-            f"(another rank died or hung past --dist_timeout, or the network failed): {reason}")
+    machine.check_same_weights(ranks, raw_model)  # DDP's promise: every rank ends with the same weights
+    if ranks.world_size > 1:
+        del model  # DDP's reducer holds the process group: release it first (see machine.leave_process_group)
+        machine.leave_process_group()
+    if args.demo:
+        print_next_steps(args, ranks)
 
 
 if __name__ == "__main__":
     try:
         main()
     except RuntimeError as e:
-        message = collective_failure(e)
+        message = machine.collective_failure(e)
         if message is None:
             raise
         # leave at once: the destructors of a broken process group can block on the dead peer

@@ -24,7 +24,8 @@ import torch
 
 from conftest import REPO, make_shards, read_log, run_train, tiny_run_args
 
-from train_gpt2 import DataLoader, choose_backend, cpu_list, detect_launch, physical_cores, ranks_sharing_cpus
+from machine import choose_backend, cpu_list, detect_launch, physical_cores, ranks_sharing_cpus
+from train_gpt2 import DataLoader
 
 FAKE_CCL = os.path.join(REPO, "tests", "fake_ccl")
 EQUAL = ["--batch_size", "2", "--total_batch_size", "384"]  # 6, 3 or 2 micro-steps on 1, 2 or 3 ranks

@@ -1,0 +1,398 @@
+"""
+The machine plumbing of train_gpt2.py: what a student needs to know exists, but not to read first.
+
+train_gpt2.py decides how to run (which launcher started us, how many ranks, which backend,
+which device); this file holds the details behind each decision:
+
+  - launchers: reading rank and world size from torchrun's, MPI's or Slurm's variables
+  - process group: where rank 0 listens (MASTER_ADDR), and a one-line error when it can't be reached
+  - CPU threads: one matmul thread per physical core, shared among the ranks of a node
+  - Intel: oneCCL (the 'ccl' backend) and Intel Extension for PyTorch, used when installed
+  - memory: keeping freed memory for the next step instead of returning it to the OS
+  - torch.compile: where its kernels are cached, how much forward keeps for backward
+"""
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import socket
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+# -----------------------------------------------------------------------------
+# Launchers: every launcher already tells each process who it is, each under its own names
+
+
+def detect_launch(env=os.environ):
+    """(rank, world_size, local_rank, local_world_size, launcher) from the launcher's variables.
+
+    The order matters where they overlap (mpirun inside a Slurm allocation sees both).
+    A missing local size is taken as 1, i.e. "this job may span hosts", which only has the
+    effect of insisting on an explicit MASTER_ADDR."""
+    def read(name, default=None):
+        value = env.get(name, default)
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise SystemExit(f"error: launcher variable {name}={value!r} is not an integer") from None
+
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun (or set by hand)
+        launcher = "torchrun"
+        rank, world = read("RANK"), read("WORLD_SIZE")
+        local_rank, local_world = read("LOCAL_RANK", 0), read("LOCAL_WORLD_SIZE", world)
+    elif "OMPI_COMM_WORLD_RANK" in env:  # Open MPI's mpirun
+        launcher = "openmpi"
+        rank, world = read("OMPI_COMM_WORLD_RANK"), read("OMPI_COMM_WORLD_SIZE")
+        local_rank, local_world = read("OMPI_COMM_WORLD_LOCAL_RANK", 0), read("OMPI_COMM_WORLD_LOCAL_SIZE", 1)
+    elif "PMI_RANK" in env and "PMI_SIZE" in env:  # MPICH and Intel MPI (their hydra launcher)
+        launcher = "mpich"
+        rank, world = read("PMI_RANK"), read("PMI_SIZE")
+        local_rank, local_world = read("MPI_LOCALRANKID", 0), read("MPI_LOCALNRANKS", 1)
+    elif "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
+        # Slurm, but only inside a job step (srun): under salloc or sbatch, every process started
+        # without srun inherits the allocation's SLURM_PROCID=0 and would believe it is rank 0.
+        launcher = "slurm"
+        rank, world, local_rank = read("SLURM_PROCID"), read("SLURM_NTASKS", 1), read("SLURM_LOCALID", 0)
+        local_world = slurm_tasks_on_node(env.get("SLURM_STEP_TASKS_PER_NODE", str(world)), read("SLURM_NODEID", 0))
+    else:
+        return 0, 1, 0, 1, "single"
+    if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
+        raise SystemExit(f"error: inconsistent {launcher} variables: rank {rank} of {world}, "
+                         f"local rank {local_rank} of {local_world}")
+    return rank, world, local_rank, local_world, launcher
+
+
+def slurm_tasks_on_node(tasks_per_node, node):
+    """SLURM_STEP_TASKS_PER_NODE looks like "2(x3),1": the number of tasks on each node, in node order."""
+    per_node = []
+    for part in tasks_per_node.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise SystemExit(f"error: cannot parse SLURM_STEP_TASKS_PER_NODE={tasks_per_node!r}")
+        per_node += [int(m.group(1))] * int(m.group(2) or 1)
+    return per_node[node] if node < len(per_node) else 1
+
+
+@dataclass
+class Ranks:
+    """Who this process is among the ranks of the job (world_size 1: a single process)."""
+    rank: int
+    world_size: int
+    local_rank: int  # among the ranks on this node
+    local_world: int
+    launcher: str  # single, torchrun, mpich, openmpi or slurm
+    device: str = "cpu"
+
+    @property
+    def master(self):  # rank 0 prints, logs and saves checkpoints; the others stay quiet
+        return self.rank == 0
+
+    def print0(self, *a, **k):
+        if self.master:
+            print(*a, **k, flush=True)
+
+    def all_reduce_sum(self, t):
+        if self.world_size > 1:
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)  # SUM: AVG is not on every CPU backend
+        return t
+
+
+def check_same_weights(ranks, model):
+    """Every rank must hold the same weights at the end; a checksum per rank proves it.
+    (The state dict: full fp32 weights in plain layout, also under IPEX, whose parameters are bf16 halves.)"""
+    weights = model.state_dict()
+    checksum = hashlib.sha256()
+    for k in sorted(weights):  # one tensor at a time: joining them all first would double the peak memory
+        checksum.update(weights[k].detach().cpu().float().contiguous().numpy())
+    digest = checksum.hexdigest()
+    if ranks.world_size > 1:
+        digests = [None] * ranks.world_size
+        torch.distributed.all_gather_object(digests, digest)
+        if len(set(digests)) != 1:
+            raise SystemExit(f"error: ranks hold different parameters after training: {digests}")
+    ranks.print0(f"parameter sha256 (all {ranks.world_size} rank(s)): {digest}")
+
+
+def check_same_start(ranks, start_step):
+    steps = [None] * ranks.world_size
+    torch.distributed.all_gather_object(steps, start_step)
+    if len(set(steps)) > 1:
+        raise SystemExit(f"error: the ranks resumed from different steps {steps}: give every rank the same "
+                         "checkpoint (a --log_dir on a shared file system, or the same --resume file)")
+
+
+# -----------------------------------------------------------------------------
+# The process group: the ranks find each other through rank 0's address
+
+
+def init_process_group(backend, rank, world_size, local_world, launcher, timeout_s):
+    """Join the other ranks; one error line if MASTER_ADDR is missing where it must be given, or unreachable."""
+    import torch.distributed as dist
+    # torchrun sets MASTER_ADDR/MASTER_PORT (where rank 0 listens for the others); MPI and Slurm
+    # do not. On one host the answer is obvious; across hosts only the user knows rank 0's address,
+    # and guessing wrong would leave every rank waiting for --dist_timeout.
+    if "MASTER_ADDR" not in os.environ:
+        if local_world < world_size:
+            hint = {"mpich": "mpirun -genv MASTER_ADDR <rank 0's host> ...",
+                    "openmpi": "export MASTER_ADDR=<rank 0's host>, then mpirun -x MASTER_ADDR ...",
+                    "slurm": 'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'}
+            # every rank finds the same; rank 0 says it, the others leave quietly
+            raise SystemExit(f"error: this {launcher} job spans several hosts but MASTER_ADDR is not set: export "
+                             f"MASTER_ADDR=<hostname or IP of rank 0's node> (optionally MASTER_PORT, default 29500) "
+                             f"for every rank, e.g. {hint.get(launcher, 'MASTER_ADDR=node0 MASTER_PORT=29500')}"
+                             if rank == 0 else 1)
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ.setdefault("MASTER_PORT", "29500")
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:  # the timeout bounds both this rendezvous and every later collective
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError) as e:
+        raise SystemExit(f"error: rank {rank} could not join the {world_size} ranks at {where} "
+                         f"(backend {backend}, --dist_timeout {timeout_s:g}s): {e}") from None
+    return where
+
+
+def collective_failure(e):
+    """A one-line reason when e is a failed collective (a rank died or hung, the network broke), else None."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    text = str(e)
+    if not (isinstance(e, dist.DistError) or any(s in text for s in ("gloo", "ccl", "Connection", "Timed out"))):
+        return None  # an ordinary bug: keep its traceback
+    reason = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    return (f"error: rank {dist.get_rank()}: a collective with the other ranks failed, so training stops "
+            f"(another rank died or hung past --dist_timeout, or the network failed): {reason}")
+
+
+# -----------------------------------------------------------------------------
+# CPU threads: one per physical core, divided among the ranks that share those cores
+
+
+def physical_cores(cpus=None):
+    """Physical cores among the given logical CPUs (default: those this process may run on).
+    Hyper-threads of one core share its vector units, so a matmul thread per hyper-thread
+    only adds contention."""
+    if cpus is None:
+        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cpus = set(cpus)
+    try:
+        cores = set()
+        with open("/proc/cpuinfo") as f:
+            info = {}
+            for line in f.read().splitlines() + [""]:
+                if ":" in line:
+                    key, value = (s.strip() for s in line.split(":", 1))
+                    info[key] = value
+                elif info:
+                    cpu = int(info.get("processor", -1))
+                    if cpu in cpus:
+                        cores.add((info.get("physical id"), info.get("core id", cpu)))
+                    info = {}
+        return max(1, len(cores)) if cores else len(cpus)
+    except (OSError, ValueError):
+        return max(1, len(cpus))
+
+
+def ranks_sharing_cpus(mine, host, everyone, local_world):
+    """How many ranks of this node (mine among them) run on CPUs that overlap mine.
+
+    everyone: (hostname, CPU list) of every rank. Capped by the launcher's count of ranks on this
+    node, since hosts in containers or network namespaces can share a hostname."""
+    return max(1, min(local_world, sum(h == host and not mine.isdisjoint(cpus) for h, cpus in everyone)))
+
+
+def cpu_list(cpus):
+    """{0,1,2,3,8} -> '0-3,8', the notation of taskset and /proc/self/status."""
+    out, cpus = [], sorted(cpus)
+    for i, c in enumerate(cpus):
+        if i and c == cpus[i - 1] + 1:
+            out[-1][1] = c
+        else:
+            out.append([c, c])
+    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in out)
+
+
+def set_cpu_threads(threads, world_size, local_world):
+    """torch's thread count for this rank; returns a line saying how it was chosen.
+
+    A launcher that pins each rank to its own cores (Intel MPI does by default; mpirun -bind-to core)
+    already did the dividing: ranks whose CPU sets don't overlap need not divide again."""
+    mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    sharing = local_world
+    if not threads and world_size > 1:  # a collective: every rank takes part, whatever its node
+        everyone = [None] * world_size
+        torch.distributed.all_gather_object(everyone, (socket.gethostname(), sorted(mine)))
+        sharing = ranks_sharing_cpus(mine, socket.gethostname(), everyone, local_world)
+    torch.set_num_threads(threads or max(1, physical_cores(mine) // sharing))
+    return (f"threads: {torch.get_num_threads()} torch threads per rank "
+            f"({'--threads' if threads else f'{physical_cores(mine)} physical cores / {sharing} rank(s)'}), "
+            f"{local_world} rank(s) on this node, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
+            f"affinity {cpu_list(mine)}")
+
+
+# -----------------------------------------------------------------------------
+# Intel: oneCCL collectives and Intel Extension for PyTorch, each optional
+
+
+def choose_backend(requested, device_type):
+    """The process group backend: oneCCL when Intel's bindings are installed, else PyTorch's own."""
+    if requested in ("ccl", "auto") and device_type in ("cpu", "xpu"):
+        # importing Intel's oneCCL bindings is what registers the 'ccl' backend with torch.distributed
+        try:
+            import oneccl_bindings_for_pytorch  # noqa: F401
+            return "ccl"
+        except ModuleNotFoundError as e:
+            if requested == "ccl" or e.name != "oneccl_bindings_for_pytorch":
+                raise SystemExit(f"error: --backend ccl needs Intel's oneccl_bindings_for_pytorch ({e}); "
+                                 "see requirements-intel.txt, or pass --backend gloo") from None
+        except Exception as e:  # installed but broken (a missing libccl.so, a torch version mismatch)
+            raise SystemExit(f"error: oneccl_bindings_for_pytorch is installed but fails to import "
+                             f"({type(e).__name__}: {e}); fix it, or pass --backend gloo") from None
+    if requested == "auto":
+        return {"cuda": "nccl", "xpu": "xccl"}.get(device_type, "gloo")
+    wants = {"ccl": ("cpu", "xpu"), "nccl": ("cuda",), "xccl": ("xpu",), "gloo": ("cpu", "cuda")}[requested]
+    if device_type not in wants:
+        raise SystemExit(f"error: --backend {requested} does not work with --device {device_type}")
+    return requested
+
+
+def find_ipex(mode, device_type):
+    """Intel Extension for PyTorch when --ipex asks for it (on) or allows it (auto) and it can run, else None.
+
+    Optional: Intel stopped developing IPEX after 2.8, and it runs only with the torch minor version
+    it was built for; a mismatch is a clear error with --ipex on and a quiet skip with auto."""
+    if mode == "off":
+        return None
+    if device_type not in ("cpu", "xpu"):
+        if mode == "on":
+            raise SystemExit(f"error: --ipex on needs --device cpu or xpu, not {device_type}")
+        return None
+    import importlib.metadata
+    import importlib.util
+    if importlib.util.find_spec("intel_extension_for_pytorch") is None:
+        if mode == "on":
+            raise SystemExit("error: --ipex on, but intel_extension_for_pytorch is not installed "
+                             "(pip install -r requirements-intel.txt, or pass --ipex off)")
+        return None
+    version = importlib.metadata.version("intel_extension_for_pytorch")
+    if version.split(".")[:2] != torch.__version__.split(".")[:2]:
+        if mode == "on":
+            raise SystemExit(f"error: --ipex on, but intel_extension_for_pytorch {version} needs torch "
+                             f"{'.'.join(version.split('.')[:2])}.*, not {torch.__version__} (see requirements-intel.txt)")
+        return None
+    import intel_extension_for_pytorch as ipex
+    return ipex
+
+
+# -----------------------------------------------------------------------------
+# Memory: keep what was freed. A training step allocates and frees the same big tensors every time
+# (activations, logits chunks, gradients). glibc's malloc serves every block over 32 MB with its own
+# mmap and unmaps it when freed, so each step the kernel hands those pages back one 4 KB page fault
+# at a time, zero-filled: ~550,000 faults, about a sixth of a 124M step on a 2-core VM. Telling malloc
+# never to use mmap for big blocks, and never to give the top of its heap back, lets the second step
+# reuse the first one's memory: no faults after warm-up (bench/bench_train.py shows faults/step and the A/B).
+
+
+def keep_freed_memory():
+    """mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, -1) where the C library is glibc; True if set.
+    Another allocator (LD_PRELOAD of tcmalloc, jemalloc; macOS) keeps its own policy."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # only glibc has it (musl's mallopt does nothing)
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # from glibc's malloc.h
+    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))
+
+
+# -----------------------------------------------------------------------------
+# torch.compile: the first step traces the model and compiles C++ kernels for it (~30 s for
+# GPT-2 124M on 2 cores); the kernels are cached on disk, so a later run starts in a few seconds
+
+
+def compile_cache_dir():
+    """Where torch.compile keeps its kernels: $TORCHINDUCTOR_CACHE_DIR if set, else ~/.cache/gpt2-cpu/inductor
+    (PyTorch's own default, /tmp/torchinductor_$USER, is emptied at every reboot)."""
+    default = os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")), "gpt2-cpu", "inductor")
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default)
+
+
+# What forward keeps for backward: left to itself, torch.compile keeps every tensor backward will read
+# (the MLP's input and its GELU output, a bf16 copy of each weight, ...). Given a budget below 1, its
+# partitioner recomputes the cheapest of them during backward instead. Measured at GPT-2 124M, B=4,
+# T=1024 with bench/bench_train.py --ab: budget 1 peaks at 4.0 GiB; 0.9 at 3.2 GiB, 1.02x faster than 0.8
+# and 0.97-1.0x as fast as 1; 0.5 also recomputes attention and is 20% slower.
+ACTIVATION_MEMORY_BUDGET = 0.9
+
+
+def compile_model(model, memory_budget=None):
+    import torch._functorch.config
+    torch._functorch.config.activation_memory_budget = memory_budget or ACTIVATION_MEMORY_BUDGET
+    return torch.compile(model)
+
+
+def can_compile(device_type):
+    """On CPU, torch.compile needs a C++ compiler; without one it would fail at the first step."""
+    return device_type != "cpu" or any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++"))
+
+
+# -----------------------------------------------------------------------------
+# Devices and the wrappers that make a step faster on them
+
+
+def pick_device(requested, local_rank, world_size):
+    """--device auto: a GPU when there is one, else the CPU. Several ranks on one GPU machine take one GPU each."""
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "xpu" if hasattr(torch, "xpu") and torch.xpu.is_available() else "cpu"
+    device_type = requested.split(":")[0]
+    if device_type not in ("cpu", "cuda", "xpu", "mps"):
+        raise SystemExit(f"error: --device {requested}: expected auto, cpu, cuda[:N], xpu or mps")
+    if device_type != "cpu" and not getattr(torch, device_type).is_available():
+        raise SystemExit(f"error: --device {requested}: this torch build or machine has no {device_type} device")
+    if device_type == "cuda" and world_size > 1:
+        requested = f"cuda:{local_rank}"
+        torch.cuda.set_device(requested)
+    return requested
+
+
+def apply_ipex(ipex, model, optimizer, args, print0):
+    """Intel Extension for PyTorch's optimize(): after any checkpoint is loaded (checkpoints hold plain
+    weights and optimizer state), before DDP (which must wrap the parameters IPEX trains)."""
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    model, optimizer = ipex.optimize(model, optimizer=optimizer, dtype=dtype, inplace=True)  # inplace: no second copy
+    print0(f"ipex: intel_extension_for_pytorch {ipex.__version__}, optimize(dtype={dtype}) "
+           f"(--ipex {args.ipex}; --ipex off to train without it)")
+    return model, optimizer
+
+
+def compile_if_possible(model, args, ipex, device_type, print0):
+    """torch.compile the training model unless something rules it out; sets args.compile to what was done."""
+    if ipex is not None:
+        # measured here: torch.compile over an ipex.optimize'd model leaves the blocks' LayerNorm
+        # parameters without gradients (tests/test_ipex.py), so the two are not combined
+        print0("compile: off, because IPEX optimized the model (--ipex off to compile instead)")
+        args.compile = False
+    elif not can_compile(device_type):
+        print0("warning: --compile needs a C++ compiler (g++ or clang++, or $CXX) and none was found: "
+               "training without it (install one, or pass --no-compile to silence this)")
+        args.compile = False
+    else:
+        print0(f"compile: torch.compile, kernels cached in {compile_cache_dir()}")
+        model = compile_model(model)
+    return model
+
+
+def leave_process_group():
+    """Tear the process group down, with the DDP model already dropped: DDP's reducer holds the group,
+    and if the reducer's destructor destroyed it, it would do so holding Python's lock (GIL), which can
+    deadlock with a gloo thread that needs it (seen with torch 2.8 + IPEX)."""
+    import gc
+    gc.collect()
+    torch.distributed.destroy_process_group()
