@@ -1,4 +1,6 @@
-"""Helpers shared by the tests: tiny token shards, and running train_gpt2.py as a user would."""
+"""Helpers shared by the tests: tiny token shards, running train_gpt2.py as a user would, one torch
+thread for tiny models, and a few HellaSwag examples."""
+import json
 import os
 import subprocess
 import sys
@@ -63,3 +65,54 @@ def read_log(log_dir, kind):
 @pytest.fixture
 def shards(tmp_path):
     return make_shards(tmp_path / "data")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread (and leave the other cores to other jobs).
+    A test module opts in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch  # here, not at the top: the tests that never touch torch need not import it
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def hellaswag_example(ind, activity, ctx_a, ctx_b, label, endings, split_type="indomain"):
+    """One HellaSwag example with all the keys of the official jsonl, as in its val split."""
+    return {"ind": ind, "activity_label": activity, "ctx_a": ctx_a, "ctx_b": ctx_b, "ctx": f"{ctx_a} {ctx_b}".strip(),
+            "split": "val", "split_type": split_type, "label": label, "endings": endings, "source_id": f"handmade~{ind}"}
+
+
+# Hand-made examples in the official format (our own text). Endings of very different lengths make
+# acc (the lowest sum of loss) and acc_norm (the lowest mean) disagree: tests/test_hellaswag.py checks it.
+HELLASWAG_EXAMPLES = [
+    hellaswag_example(1, "Making tea", "A woman fills a kettle with water.", "she", 2, [
+        "puts it on the stove and waits for the water to boil while reading the paper.",
+        "throws the kettle out of the window.", "turns it on.",
+        "paints the kettle blue and green and then sells it at a market in town."]),
+    hellaswag_example(2, "Riding a bike", "A boy rides a bicycle down a hill.", "he", 0, [
+        "brakes.", "flies into space on the bicycle, waving to the birds as they pass by.",
+        "eats the front wheel.", "reads a long novel about the history of the bicycle while riding."], "zeroshot"),
+    hellaswag_example(3, "Cooking", "How to cook rice. Rinse the rice in cold water.", "", 3, [
+        "Put the rice in a washing machine and run a full cycle with detergent.",
+        "Burn it.", "Plant the rice in the garden and wait a year.",
+        "Add two cups of water per cup of rice and bring it to a boil."]),
+    hellaswag_example(4, "Gardening", "A man kneels in a garden.", "he", 1, [
+        "sings.", "pulls weeds.", "builds a rocket out of the flower pots and launches it to the moon.",
+        "digs."], "zeroshot"),
+    hellaswag_example(5, "Swimming", "People swim in a pool.", "a lifeguard", 1, [
+        "watches them from a tall chair.", "blows.", "is eating a very large sandwich made of bricks.",
+        "swims."]),
+    hellaswag_example(6, "Snow", "Snow falls on the town. Children run outside.", "", 0, [
+        "They build a snowman.", "They swim.", "They sunbathe on the roofs of their houses all afternoon.",
+        "They sleep."], "zeroshot"),
+]
+
+
+def write_hellaswag(folder, examples):
+    """folder/hellaswag_val.jsonl, one example per line, as hellaswag.py caches the download."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "hellaswag_val.jsonl"), "w") as f:
+        f.writelines(json.dumps(ex) + "\n" for ex in examples)
+    return str(folder)

@@ -15,56 +15,13 @@ from torch.nn import functional as F
 
 import hellaswag
 import tokenizer
-from conftest import REPO
+from conftest import HELLASWAG_EXAMPLES, REPO, write_hellaswag
 from train_gpt2 import GPT, GPTConfig
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TINY = dict(block_size=64, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread (and leave the other cores to other jobs)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-# Hand-made examples in the official jsonl format (all the official keys, our own text).
-# Endings of very different lengths make acc (sum of loss) and acc_norm (mean) disagree.
-EXAMPLES = [
-    {"ind": 1, "activity_label": "Making tea", "ctx_a": "A woman fills a kettle with water.", "ctx_b": "she",
-     "ctx": "A woman fills a kettle with water. she", "split": "val", "split_type": "indomain", "label": 2,
-     "endings": ["puts it on the stove and waits for the water to boil while reading the paper.",
-                 "throws the kettle out of the window.", "turns it on.",
-                 "paints the kettle blue and green and then sells it at a market in town."],
-     "source_id": "handmade~1"},
-    {"ind": 2, "activity_label": "Riding a bike", "ctx_a": "A boy rides a bicycle down a hill.", "ctx_b": "he",
-     "ctx": "A boy rides a bicycle down a hill. he", "split": "val", "split_type": "zeroshot", "label": 0,
-     "endings": ["brakes.", "flies into space on the bicycle, waving to the birds as they pass by.",
-                 "eats the front wheel.", "reads a long novel about the history of the bicycle while riding."],
-     "source_id": "handmade~2"},
-    {"ind": 3, "activity_label": "Cooking", "ctx_a": "How to cook rice. Rinse the rice in cold water.", "ctx_b": "",
-     "ctx": "How to cook rice. Rinse the rice in cold water.", "split": "val", "split_type": "indomain", "label": 3,
-     "endings": ["Put the rice in a washing machine and run a full cycle with detergent.",
-                 "Burn it.", "Plant the rice in the garden and wait a year.",
-                 "Add two cups of water per cup of rice and bring it to a boil."],
-     "source_id": "handmade~3"},
-    {"ind": 4, "activity_label": "Gardening", "ctx_a": "A man kneels in a garden.", "ctx_b": "he",
-     "ctx": "A man kneels in a garden. he", "split": "val", "split_type": "zeroshot", "label": 1,
-     "endings": ["sings.", "pulls weeds.", "builds a rocket out of the flower pots and launches it to the moon.",
-                 "digs."],
-     "source_id": "handmade~4"},
-    {"ind": 5, "activity_label": "Swimming", "ctx_a": "People swim in a pool.", "ctx_b": "a lifeguard",
-     "ctx": "People swim in a pool. a lifeguard", "split": "val", "split_type": "indomain", "label": 1,
-     "endings": ["watches them from a tall chair.", "blows.", "is eating a very large sandwich made of bricks.",
-                 "swims."],
-     "source_id": "handmade~5"},
-    {"ind": 6, "activity_label": "Snow", "ctx_a": "", "ctx_b": "",
-     "ctx": "Snow falls on the town. Children run outside.", "split": "val", "split_type": "zeroshot", "label": 0,
-     "endings": ["They build a snowman.", "They swim.", "They sunbathe on the roofs of their houses all afternoon.",
-                 "They sleep."],
-     "source_id": "handmade~6"},
-]
+EXAMPLES = HELLASWAG_EXAMPLES  # six hand-made examples in the official format (conftest.py)
 # longer than a block_size-64 model's context: exercises the cropping
 LONG = {"ctx": " ".join(["The committee met again on Tuesday to discuss the budget."] * 6) + " Then",
         "endings": ["they voted.", "everyone went home early to watch the football match on television.",
@@ -75,12 +32,6 @@ LONG = {"ctx": " ".join(["The committee met again on Tuesday to discuss the budg
 def tiny_model(seed=0):
     torch.manual_seed(seed)
     return GPT(GPTConfig(**TINY)).eval()
-
-
-def write_jsonl(path, examples):
-    with open(path, "w") as f:
-        for ex in examples:
-            f.write(json.dumps(ex) + "\n")
 
 
 @torch.no_grad()
@@ -233,8 +184,7 @@ def server(tmp_path):
 
 def test_download_is_atomic_and_cached(server, tmp_path):
     base, www, requested = server
-    (www / "data").mkdir()
-    write_jsonl(www / "data" / "hellaswag_val.jsonl", EXAMPLES)
+    write_hellaswag(www / "data", EXAMPLES)
     cache = tmp_path / "cache"
     examples = hellaswag.load_examples("val", data_dir=str(cache), base_url=base)
     assert examples == EXAMPLES
@@ -283,7 +233,7 @@ def test_download_rejects_malformed_line(server, tmp_path, bad, problem):
 
 
 def test_corrupt_cache_file_says_what_to_do(tmp_path):
-    write_jsonl(tmp_path / "hellaswag_val.jsonl", EXAMPLES[:2] + [{"ctx": 1}])
+    write_hellaswag(tmp_path, EXAMPLES[:2] + [{"ctx": 1}])
     with pytest.raises(hellaswag.HellaSwagError, match=r"line 3 .*delete .*hellaswag_val.jsonl"):
         hellaswag.load_examples("val", data_dir=str(tmp_path))
 
@@ -291,8 +241,7 @@ def test_corrupt_cache_file_says_what_to_do(tmp_path):
 def test_cli_downloads_and_evaluates_a_checkpoint(server, tmp_path):
     """python hellaswag.py -m model_XXXXX.pt with HELLASWAG_URL pointing at the local server."""
     base, www, requested = server
-    (www / "data").mkdir()
-    write_jsonl(www / "data" / "hellaswag_val.jsonl", EXAMPLES + [LONG])
+    write_hellaswag(www / "data", EXAMPLES + [LONG])
     model = tiny_model(3)
     ckpt = tmp_path / "model_00010.pt"
     torch.save({"model": model.state_dict(), "config": TINY, "step": 10}, ckpt)

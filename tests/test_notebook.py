@@ -7,17 +7,9 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from conftest import REPO, make_shards, read_log, run_train, tiny_run_args
+from conftest import HELLASWAG_EXAMPLES, REPO, make_shards, read_log, run_train, tiny_run_args, write_hellaswag
 
 NOTEBOOK = os.path.join(REPO, "play.ipynb")
-
-# a few examples in the official format, for the trainer's in-loop HellaSwag eval
-HELLASWAG = [
-    {"ctx": "A man is cutting bread in a kitchen. he", "label": i % 4,
-     "endings": ["puts the slices on a plate.", "throws the bread at the ceiling.", "eats the knife.",
-                 f"sings a song about bread number {i}."]}
-    for i in range(6)
-]
 
 
 def test_notebook_is_committed_without_outputs():
@@ -32,10 +24,7 @@ def test_notebook_is_committed_without_outputs():
 @pytest.fixture(scope="module")
 def log_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("run")
-    hs_dir = root / "hellaswag"
-    hs_dir.mkdir()
-    with open(hs_dir / "hellaswag_val.jsonl", "w") as f:
-        f.writelines(json.dumps(ex) + "\n" for ex in HELLASWAG)
+    hs_dir = write_hellaswag(root / "hellaswag", HELLASWAG_EXAMPLES)
     log = root / "log"
     run_train(tiny_run_args(make_shards(root / "data"), log, "--hellaswag_interval", "3", "--hellaswag_dir", hs_dir))
     return log

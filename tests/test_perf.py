@@ -1,7 +1,6 @@
 """The optimized training step computes what the plain one does; --compile works with everything
-the training loop does; bench.py runs. Nothing here is timed: speed is bench.py's job, and
-timings in tests fail at random on shared machines."""
-import json
+the training loop does; bench/bench_train.py runs. Nothing here is timed: speed is bench/'s job,
+and timings in tests fail at random on shared machines."""
 import os
 import subprocess
 import sys
@@ -14,8 +13,10 @@ import torch._dynamo.utils
 import torch.nn.functional as F
 
 import train_gpt2
-from conftest import REPO, make_shards, read_log, run_train, tiny_run_args
+from conftest import HELLASWAG_EXAMPLES, REPO, make_shards, read_log, run_train, tiny_run_args, write_hellaswag
 from train_gpt2 import GPT, GPTConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 SMALL = GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
 BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
@@ -25,10 +26,6 @@ BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
 def small_chunks(monkeypatch):
     # batches of 4 x 32 = 128 positions, in chunks of 48: two full chunks and a shorter last one
     monkeypatch.setattr(train_gpt2, "LOSS_CHUNK", 48)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models run fastest on one thread, and leave the other cores to other jobs
-    yield
-    torch.set_num_threads(n)
 
 
 def plain_loss(model, x, y):
@@ -138,26 +135,9 @@ def test_training_curves_agree(monkeypatch):
     assert (ours_bf16 - plain).abs().max() <= 2 * (plain_bf16 - plain).abs().max() + 1e-3
 
 
-def write_hellaswag(path):
-    """Three examples in the official format (ctx, ctx_a, ctx_b, activity_label, endings, label, ...)."""
-    stories = [("Baking bread", "A baker kneads the dough.", "she", 1,
-                ["eats the flour.", "shapes it into a loaf.", "sings to the oven.", "goes swimming."]),
-               ("Fishing", "A man sits by the lake with a rod.", "he", 0,
-                ["catches a small fish.", "flies away.", "reads the lake.", "paints the rod red."]),
-               ("Chess", "Two players sit at a chess board.", "the first", 3,
-                ["eats a pawn.", "leaves the country.", "throws the board.", "moves a knight."])]
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "hellaswag_val.jsonl"), "w") as f:
-        for i, (activity, ctx_a, ctx_b, label, endings) in enumerate(stories):
-            f.write(json.dumps({"ind": i, "activity_label": activity, "ctx_a": ctx_a, "ctx_b": ctx_b,
-                                "ctx": f"{ctx_a} {ctx_b}", "endings": endings, "label": label, "split": "val",
-                                "split_type": "indomain", "source_id": f"test~{i}"}) + "\n")
-    return str(path)
-
-
 def test_compile_with_val_hellaswag_and_sampling(tmp_path):
     data = make_shards(tmp_path / "data")
-    hella = write_hellaswag(tmp_path / "hellaswag")
+    hella = write_hellaswag(tmp_path / "hellaswag", HELLASWAG_EXAMPLES[:3])
     args = tiny_run_args(data, tmp_path / "log", "--compile", "--dtype", "bf16", "--max_steps", "4",
                          "--eval_interval", "2", "--sample_interval", "2", "--hellaswag_interval", "2",
                          "--hellaswag_dir", hella)
@@ -170,7 +150,7 @@ def test_compile_with_val_hellaswag_and_sampling(tmp_path):
 
 def test_bench_runs_tiny():
     # eager A: the compiled step is tested above, and every compilation costs CI half a minute
-    cmd = [sys.executable, os.path.join(REPO, "bench.py"), "--ab", "--steps", "2", "--warmup", "1",
+    cmd = [sys.executable, os.path.join(REPO, "bench", "bench_train.py"), "--ab", "--steps", "2", "--warmup", "1",
            "--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--seq_len", "32", "--batch_size", "2",
            "--grad_accum", "2", "--a", "eager,loss_chunk=48,threads=1", "--b", "plain,threads=1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
@@ -179,6 +159,19 @@ def test_bench_runs_tiny():
     out = proc.stdout
     assert "A  eager,chunked,keep,loss_chunk=48,threads=1" in out and "B  eager,full,release,threads=1" in out
     assert "per-pair ratios" in out and "GiB" in out and "MFU" in out
+
+
+@pytest.mark.parametrize("script, args, check", [
+    ("bench_generate.py", ["--new_tokens", "3"], "the same tokens both ways"),
+    ("bench_hellaswag.py", ["--model", "demo", "--rounds", "1", "--batch_sizes", "2"], "all methods picked the same endings"),
+])
+def test_inference_benchmarks_run(script, args, check):
+    # run as the README says, from the repository root; each script checks that its ways agree
+    cmd = [sys.executable, os.path.join("bench", script), *args, "--threads", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert check in proc.stdout
 
 
 KEEP_FREED = """

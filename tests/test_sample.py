@@ -12,16 +12,9 @@ import tokenizer
 from conftest import REPO, make_shards, run_train, tiny_run_args
 from train_gpt2 import GPT
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPT = "It is interesting"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread (and leave the other cores to other jobs)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
 """
 How much faster is generating with the KV cache than recomputing the whole sequence every step?
 
-    python bench_generate.py                      # GPT-2 (124M) shape, random weights, 256 new tokens
-    python bench_generate.py --new_tokens 512 --dtype bf16
+    python bench/bench_generate.py                      # GPT-2 (124M) shape, random weights, 256 new tokens
+    python bench/bench_generate.py --new_tokens 512 --dtype bf16
 
 The weights are random (GPT(GPTConfig())): speed does not depend on them, and it needs no download.
 Both ways decode greedily from the same prompt, so in fp32 they produce the same tokens (the script
@@ -13,12 +13,12 @@ because a shared machine's speed drifts and only numbers measured side by side c
 """
 import argparse
 import time
-from contextlib import nullcontext
 
 import torch
 
+import common  # before tokenizer and train_gpt2: it puts the repository root on sys.path
 import tokenizer
-from train_gpt2 import GPT, GPTConfig
+from train_gpt2 import GPTConfig
 
 
 @torch.no_grad()
@@ -36,13 +36,9 @@ def main():
     p.add_argument("--new_tokens", type=int, default=256)
     p.add_argument("--prompt", default="Hello, I'm a language model,")
     p.add_argument("--num_samples", type=int, default=1, help="sequences generated together (batch)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    common.add_dtype_and_threads(p)
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    model = GPT(GPTConfig()).eval()  # GPT-2 (124M) shape, random weights
+    model = common.random_model(GPTConfig(), args.threads).eval()  # GPT-2 (124M) shape
     idx = torch.tensor([tokenizer.encode(args.prompt)] * args.num_samples)
     n = args.new_tokens
     print(f"GPT-2 124M shape, random weights; {idx.size(1)}-token prompt, {n} new tokens x {args.num_samples}; "
@@ -52,7 +48,7 @@ def main():
     ways = {"KV cache": model.generate(idx, n, top_k=1), "plain": plain_generate(model, idx, n)}
     seconds = {name: 0.0 for name in ways}
     tokens = {name: [] for name in ways}
-    with torch.autocast("cpu", dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext():
+    with common.autocast(args.dtype):
         for step in range(n):
             for name, gen in ways.items():
                 t0 = time.perf_counter()

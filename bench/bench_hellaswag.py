@@ -1,9 +1,9 @@
 """
 How much faster is hellaswag.py's scoring than build-nanogpt's one example per forward pass?
 
-    python bench_hellaswag.py                     # GPT-2 (124M) shape, random weights, 4 rounds of 16 examples
-    python bench_hellaswag.py --rounds 8 --batch_sizes 8 16 32 --dtype bf16
-    python bench_hellaswag.py --model demo        # the small model of train_gpt2.py --demo
+    python bench/bench_hellaswag.py                     # GPT-2 (124M) shape, random weights, 4 rounds of 16 examples
+    python bench/bench_hellaswag.py --rounds 8 --batch_sizes 8 16 32 --dtype bf16
+    python bench/bench_hellaswag.py --model demo        # the small model of train_gpt2.py --demo
 
 The weights are random (GPT(GPTConfig())): speed does not depend on them, and it needs no download.
 The examples are synthetic but shaped like HellaSwag's: English words, a third with short contexts
@@ -22,9 +22,10 @@ import time
 import torch
 from torch.nn import functional as F
 
+import common  # before hellaswag, tokenizer and train_gpt2: it puts the repository root on sys.path
 import hellaswag
 import tokenizer
-from train_gpt2 import GPT, GPTConfig
+from train_gpt2 import DEMO_ARGS, PADDED_VOCAB_SIZE, GPTConfig
 
 
 def synthetic_rounds(rounds, size, n_total=10042, seed=0):
@@ -57,7 +58,6 @@ def synthetic_rounds(rounds, size, n_total=10042, seed=0):
 @torch.no_grad()
 def per_example(model, examples, dtype):
     """build-nanogpt's way, one example (4 rows) per forward, full logits; returns (N, 4) mean losses."""
-    autocast = hellaswag.autocast_for("cpu", dtype)
     out = []
     for ex in examples:
         ctx = tokenizer.encode(ex["ctx"])
@@ -67,7 +67,7 @@ def per_example(model, examples, dtype):
         for i, row in enumerate(rows):
             tokens[i, :len(row)] = torch.tensor(row)
             mask[i, len(ctx):len(row)] = 1
-        with autocast:
+        with common.autocast(dtype):
             logits, _ = model(tokens)
         losses = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
         out.append((losses.view(4, -1) * mask[:, 1:]).sum(1) / mask[:, 1:].sum(1))
@@ -80,15 +80,11 @@ def main():
                    help="GPT-2 124M's shape, or train_gpt2.py's demo model (4 layers, 256 wide)")
     p.add_argument("--rounds", type=int, default=4, help="rounds of max(batch_sizes) examples each")
     p.add_argument("--batch_sizes", type=int, nargs="+", default=[16])
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    common.add_dtype_and_threads(p)
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    config = GPTConfig() if args.model == "124M" else GPTConfig(block_size=256, vocab_size=50304, n_layer=4,
-                                                                  n_head=4, n_embd=256)
-    model = GPT(config).eval()  # random weights
+    demo_shape = {k: DEMO_ARGS[k] for k in ("n_layer", "n_head", "n_embd", "block_size")}
+    config = GPTConfig() if args.model == "124M" else GPTConfig(vocab_size=PADDED_VOCAB_SIZE, **demo_shape)
+    model = common.random_model(config, args.threads).eval()
     rounds = synthetic_rounds(args.rounds, max(args.batch_sizes))
     rendered = [[hellaswag.render_example(ex, config.block_size) for ex in exs] for exs in rounds]
     flat = [r for rnd in rendered for r in rnd]

@@ -1,11 +1,11 @@
 """
 How fast does a GPT-2 training step run on this machine, and how much memory does it take?
 
-    python bench.py                          # our training step: GPT-2 (124M), B=4, T=1024, bf16
-    python bench.py --ab                     # lock-step A/B: our step (A) against the plain one (B)
-    python bench.py --ab --b compile,full    # what the chunked loss brings to the compiled step
-    python bench.py --ab --b release         # what keeping freed memory brings
-    python bench.py --profile                # where the time of one step goes (torch.profiler)
+    python bench/bench_train.py                          # our training step: GPT-2 (124M), B=4, T=1024, bf16
+    python bench/bench_train.py --ab                     # lock-step A/B: our step (A) against the plain one (B)
+    python bench/bench_train.py --ab --b compile,full    # what the chunked loss brings to the compiled step
+    python bench/bench_train.py --ab --b release         # what keeping freed memory brings
+    python bench/bench_train.py --profile                # where the time of one step goes (torch.profiler)
 
 A step is what train_gpt2.py does per optimizer step: --grad_accum forward+backward passes of
 B x T tokens, gradient clipping, AdamW. It reports tokens/s; MFU, the share of the machine's
@@ -43,13 +43,13 @@ import statistics
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 
+import common  # before train_gpt2: it puts the repository root on sys.path
 import train_gpt2
-from train_gpt2 import GPT, GPTConfig
+from train_gpt2 import GPTConfig
 
 
 def parse_config(text):
@@ -72,7 +72,7 @@ def parse_config(text):
         elif key.isupper() and value:
             cfg.setdefault("env", {})[key] = value
         else:
-            raise SystemExit(f"error: unknown configuration item {item!r} in {text!r} (see python bench.py --help)")
+            raise SystemExit(f"error: unknown configuration item {item!r} in {text!r} (see python bench/bench_train.py --help)")
     return cfg
 
 
@@ -122,12 +122,11 @@ def reset_peak_rss():
 def worker(cfg, args):
     if cfg["memory"] == "keep":
         train_gpt2.keep_freed_memory()
-    torch.set_num_threads(cfg.get("threads") or train_gpt2.physical_cores())
     train_gpt2.LOSS_CHUNK = cfg.get("loss_chunk", train_gpt2.LOSS_CHUNK)
-    torch.manual_seed(0)  # both configurations start from the same weights and see the same data
     config = GPTConfig(block_size=args.seq_len, vocab_size=train_gpt2.PADDED_VOCAB_SIZE,
                        n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-    raw_model = GPT(config)
+    # both configurations start from the same weights and, drawn next, see the same data
+    raw_model = common.random_model(config, cfg.get("threads") or train_gpt2.physical_cores())
     optimizer, _ = raw_model.configure_optimizer(weight_decay=0.1, learning_rate=6e-4, device_type="cpu")
     B = cfg.get("batch_size", args.batch_size)
     batches = [(torch.randint(0, 50257, (B, args.seq_len)), torch.randint(0, 50257, (B, args.seq_len)))
@@ -136,7 +135,7 @@ def worker(cfg, args):
         train_gpt2.compile_cache_dir()
     model = train_gpt2.compile_model(raw_model, cfg.get("budget")) if cfg["compile"] else raw_model
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
+    autocast = common.autocast(args.dtype)
 
     def step():
         # the inner loop of train_gpt2.py, without data loading, DDP and logging
