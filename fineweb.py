@@ -8,58 +8,43 @@ What comes out is build-nanogpt's layout: {prefix}_val_000000.npy, {prefix}_trai
 each an np.save'd 1-D uint16 array (GPT-2's 50,257 ids fit in 16 bits: half the disk of int32).
 Every document is written as [EOT] + its GPT-2 tokens (EOT = 50256, <|endoftext|>), in input order,
 so the model learns where documents start. Train shards hold exactly --shard_size tokens (the last
-one fewer) and a document may run on from one train shard into the next. The val shard is shard 0:
-the first documents, whole, until it holds at least --val_tokens tokens, so unlike build-nanogpt
-(which cuts val at exactly 1e8 tokens) no document is split between val and train.
+one fewer); a document may run on from one train shard into the next. The val shard, shard 0, holds
+the first documents, whole, until it has at least --val_tokens tokens: unlike build-nanogpt (which
+cuts val at exactly 1e8 tokens) no document is split between val and train.
 
-Where documents come from:
-  * default: the Hugging Face dataset HuggingFaceFW/fineweb-edu, config sample-10BT, split train,
-    read with `datasets` in streaming mode: tokenizing starts at once and the disk only ever holds
-    shards, never the dataset's parquet files. --dataset may also be a local folder laid out like that
-    repository (or any other dataset load_dataset accepts).
-  * --input PATH_OR_GLOB (repeatable): .txt (one document per file), .jsonl / .json (one object
-    per document, its --text_field), .parquet (its --text_field column). A folder means the
-    supported files in it. This mode needs no network and no `datasets`.
+Documents come from the Hugging Face dataset HuggingFaceFW/fineweb-edu (config sample-10BT),
+streamed with `datasets` so that tokenizing starts at once and the disk only ever holds shards
+(--dataset may also be a local folder laid out like that repository), or from local files (--input).
 
-How it is fast: tokenizing is the only real work, so everything else runs beside it. A reader
-thread pulls documents and groups them into ~1 MB batches; --workers threads (one per core)
-tokenize batches; the main thread puts the results, in order, into shards; a writer thread saves
-finished shards. Each batch is tokenized in a single tiktoken call (see tokenize_batch), which
-runs in Rust without holding Python's GIL, so threads use every core. (--pool process does the
-same with worker processes; on the 2-core machine this was developed on, threads measured ~5-10%
-faster: no process start-up, nothing to pickle. bench_fineweb.py compares them.)
+Speed: tokenizing is the only real work, and tiktoken does it in Rust without holding Python's GIL.
+So --workers threads (one per core) tokenize ~1 MB batches of documents while the main thread reads
+the next ones and cuts the results, in order, into shards; a writer thread saves them.
 
-How it is safe: a shard is written under a temporary name, flushed to disk and then renamed, so a
-file with a shard's final name is always complete. After each shard a small manifest
-({prefix}_manifest.json, written the same way) records where in the input the shard ends. Run the
-same command again after Ctrl-C, kill -9 or a crash and it carries on from the last finished shard;
-the shards come out byte-identical to an uninterrupted run. A finished output folder is left alone
-unless you pass --overwrite.
+Safety: a shard is written under a temporary name, flushed to disk and renamed, so a file with a
+shard's final name is always complete. A manifest ({prefix}_manifest.json) records where in the input
+each shard ends: after Ctrl-C, kill -9 or a crash the same command carries on from the last finished
+shard, and the shards come out byte-identical to an uninterrupted run's.
 """
 import argparse
 import collections
 import gc
 import glob
 import hashlib
+import itertools
 import json
-import multiprocessing
 import os
-import queue
 import re
-import signal
 import sys
-import threading
-import time
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from tokenizer import EOT, get_encoding
 
 EOT_TEXT = "<|endoftext|>"        # the text that tiktoken turns into the EOT id when allowed
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 
 
@@ -71,47 +56,26 @@ LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 # is then (unit, row), plus a token offset for a train shard that ends in the middle of a document.
 # That is all resuming needs: reopen unit `unit`, jump to `row`, drop `token` tokens.
 
-class Unit:
-    def __init__(self, name, read):
-        self.name = name    # for messages: a file path, or "dataset file i/n"
-        self.read = read    # read(start_row) -> iterator of (row, text), rows >= start_row
+Unit = collections.namedtuple("Unit", "name read")   # read(start_row) -> iterator of (row, text), rows >= start_row
 
 
 def expand_inputs(patterns):
     """--input values -> the list of files, in a fixed order (sorted within each pattern)."""
     files = []
     for pattern in patterns:
-        if os.path.isdir(pattern):
+        if os.path.isdir(pattern):     # a folder: the supported files in it
             found = sorted(os.path.join(d, f) for d, _, fs in os.walk(pattern) for f in fs
                            if f.lower().endswith(LOCAL_SUFFIXES))
-            if not found:
-                raise SystemExit(f"error: --input {pattern}: the folder has no {'/'.join(LOCAL_SUFFIXES)} files")
-        elif glob.has_magic(pattern):
+        else:                          # a file, or a glob pattern
             found = sorted(f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f))
-            if not found:
-                raise SystemExit(f"error: --input {pattern}: no files match")
-        elif os.path.isfile(pattern):
-            found = [pattern]
-        else:
-            raise SystemExit(f"error: --input {pattern}: no such file")
+        if not found:
+            raise SystemExit(f"error: --input {pattern}: no such file, or no {'/'.join(LOCAL_SUFFIXES)} files")
         for f in found:
             if not f.lower().endswith(LOCAL_SUFFIXES):
                 raise SystemExit(f"error: {f}: unsupported file type (use {', '.join(LOCAL_SUFFIXES)})")
             if f not in files:
                 files.append(f)
     return files
-
-
-def read_txt(path, start_row):
-    """A .txt file is one document: the whole file, decoded as UTF-8, byte for byte."""
-    if start_row > 0:
-        return
-    with open(path, "rb") as f:
-        data = f.read()
-    try:
-        yield 0, data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise SystemExit(f"error: {path}: not UTF-8 text (bad byte at offset {e.start})")
 
 
 def get_text(obj, field, path, where):
@@ -121,102 +85,85 @@ def get_text(obj, field, path, where):
     return obj[field]
 
 
-def read_jsonl(path, field, start_row):
-    """JSON lines: one object per line; the row is the line number (blank lines are skipped)."""
-    with open(path, "rb") as f:
-        for row, line in enumerate(f):
-            if row < start_row or not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError as e:
-                raise SystemExit(f"error: {path} line {row + 1}: not valid JSON ({e})")
-            yield row, get_text(obj, field, path, f"line {row + 1}")
-
-
-def read_json(path, field, start_row):
-    """A .json file is either one JSON array of objects, or JSON lines like .jsonl."""
-    with open(path, "rb") as f:
-        head = f.read(4096).lstrip()
-    if not head.startswith(b"["):
-        yield from read_jsonl(path, field, start_row)
-        return
-    try:
-        with open(path, "rb") as f:
-            items = json.load(f)
-    except ValueError as e:
-        raise SystemExit(f"error: {path}: not valid JSON ({e})")
-    for row in range(start_row, len(items)):
-        yield row, get_text(items[row], field, path, f"item {row}")
-
-
 def read_parquet(path, field, start_row):
-    """Parquet: read only the text column, a record batch at a time. Parquet files are split into
-    row groups whose sizes the footer lists, so resuming skips whole groups without reading them."""
-    import pyarrow.parquet as pq
+    """The field's column of a parquet file, as (row, text) from start_row on. The column is checked
+    at once, from the file's footer; the text is read a record batch at a time (see arrow_rows)."""
     pf = pq.ParquetFile(path)
-    groups, first = [], 0           # the row groups to read, and the index of the first row in them
-    for g in range(pf.metadata.num_row_groups):
-        n = pf.metadata.row_group(g).num_rows
-        if first + n <= start_row and not groups:
-            first += n
+    if field not in pf.schema_arrow.names:
+        raise SystemExit(f"error: {path}: no '{field}' column (columns: {', '.join(pf.schema_arrow.names)}); "
+                         "see --text_field")
+    return arrow_rows(pf.iter_batches(batch_size=1024, columns=[field]), 0, start_row)
+
+
+def read_text(path, field, start_row):
+    """The documents of a text file, from start_row on, as (row, text):
+    .txt      the whole file is one document, decoded as UTF-8, byte for byte
+    .jsonl    one JSON object per line; the row is the line number (blank lines are skipped)
+    .json     one JSON array of objects (the row is the index), or JSON lines like .jsonl"""
+    suffix = os.path.splitext(path)[1].lower()
+    with open(path, "rb") as f:
+        if suffix == ".txt":
+            try:
+                yield from [(0, f.read().decode("utf-8"))][start_row:]
+            except UnicodeDecodeError as e:
+                raise SystemExit(f"error: {path}: not UTF-8 text (bad byte at offset {e.start})")
+        elif suffix == ".json" and f.read(4096).lstrip().startswith(b"["):
+            f.seek(0)
+            try:
+                items = json.load(f)
+            except ValueError as e:
+                raise SystemExit(f"error: {path}: not valid JSON ({e})")
+            for row in range(start_row, len(items)):
+                yield row, get_text(items[row], field, path, f"item {row}")
         else:
-            groups.append(g)
-    if not groups:
-        return
-    batches = pf.iter_batches(batch_size=1024, row_groups=groups, columns=[field])
-    row, finished = first, False
+            f.seek(0)
+            for row, line in enumerate(f):
+                if row >= start_row and line.strip():
+                    try:
+                        obj = json.loads(line)
+                    except ValueError as e:
+                        raise SystemExit(f"error: {path} line {row + 1}: not valid JSON ({e})")
+                    yield row, get_text(obj, field, path, f"line {row + 1}")
+
+
+def arrow_rows(batches, row, start_row):
+    """(row, text) from start_row on, out of Arrow batches (parquet record batches, or the dataset's
+    tables) of one text column whose first row is `row`. Batches wholly before start_row are
+    skipped without turning their text into Python strings."""
     try:
         for batch in batches:
-            for text in batch.column(0).to_pylist():
-                if row >= start_row:
-                    yield row, text
-                row += 1
-        finished = True
-    finally:
-        if not finished:
-            close_arrow_iterator(batches)
-
-
-def close_arrow_iterator(it):
-    # An Arrow reader left half-read (after Ctrl-C or an error) can abort the interpreter at exit
-    # ("terminate called without an active exception") with the pyarrow versions this was written
-    # against; closing it and collecting garbage while Python is still fully alive frees it cleanly.
-    # (Not done after a normal end: a full gc.collect() can take a noticeable fraction of a second.)
-    if hasattr(it, "close"):
-        it.close()
-    gc.collect()
+            if row + len(batch) > start_row:
+                for i, text in enumerate(batch.column(0).to_pylist(), row):
+                    if i >= start_row:
+                        yield i, text
+            row += len(batch)
+    except BaseException:    # GeneratorExit (closed early, e.g. after Ctrl-C) or an error
+        # An Arrow reader left half-read can abort the interpreter at exit ("terminate called without
+        # an active exception") with the pyarrow versions this was written against; closing it and
+        # collecting garbage while Python is still fully alive frees it cleanly. (Not done after a
+        # normal end: a full gc.collect() can take a noticeable fraction of a second.)
+        if hasattr(batches, "close"):
+            batches.close()
+        gc.collect()
+        raise
 
 
 def local_units(files, field):
     """Check every file cheaply before any work (readable, has the text field), then wrap each."""
     units = []
     for path in files:
-        suffix = os.path.splitext(path)[1].lower()
         if not os.access(path, os.R_OK):
             raise SystemExit(f"error: {path}: cannot read the file")
-        if suffix == ".parquet":
-            try:
-                import pyarrow.parquet as pq
-            except ImportError:
-                raise SystemExit(f"error: {path}: reading parquet needs pyarrow (pip install pyarrow)")
-            try:
-                schema = pq.read_schema(path)
-            except Exception as e:
-                raise SystemExit(f"error: {path}: not a readable parquet file ({e})")
-            if field not in schema.names:
-                raise SystemExit(f"error: {path}: no '{field}' column (columns: {', '.join(schema.names)}); "
-                                 "see --text_field")
-            read = lambda start, p=path: read_parquet(p, field, start)
-        elif suffix in (".jsonl", ".json"):
-            reader = read_jsonl if suffix == ".jsonl" else read_json
-            first = next(reader(path, field, 0), None)   # fails here, naming the file, if the field is missing
-            if first is None:
+        read = read_parquet if path.lower().endswith(".parquet") else read_text
+        try:
+            rows = read(path, field, 0)    # parquet: its column is checked now, from the footer
+            # JSON: read the first document (a missing field fails here); a .txt file is only read once, later
+            if path.lower().endswith((".jsonl", ".json")) and next(rows, None) is None:
                 print(f"warning: {path} holds no documents", file=sys.stderr)
-            read = lambda start, p=path, r=reader: r(p, field, start)
-        else:
-            read = lambda start, p=path: read_txt(p, start)
-        units.append(Unit(path, read))
+            rows.close()
+        except Exception as e:             # a broken parquet file, say
+            raise SystemExit(f"error: {path}: cannot read it ({type(e).__name__}: {e})")
+        units.append(Unit(path, lambda start, p=path, read=read: read(p, field, start)))
     return units
 
 
@@ -224,39 +171,20 @@ def hub_units(dataset, name, split, field):
     """A Hugging Face dataset, streamed. load_dataset(..., streaming=True) only lists the data files;
     rows are downloaded as they are read. We read it one data file ("shard") at a time so that a
     resume can jump straight to the file it stopped in instead of re-downloading everything before."""
-    try:
-        import datasets
-    except ImportError:
-        raise SystemExit("error: reading --dataset needs the `datasets` package (pip install datasets), "
-                         "or pass local files with --input")
+    import datasets    # here, so that --input works without it
     try:
         ds = datasets.load_dataset(dataset, name=name, split=split, streaming=True)
     except Exception as e:
-        raise SystemExit(f"error: cannot open dataset {dataset} (name={name}, split={split}): "
-                         f"{type(e).__name__}: {e}")
+        raise SystemExit(f"error: cannot open dataset {dataset} (name={name}, split={split}): {type(e).__name__}: {e}")
     if ds.column_names is not None and field not in ds.column_names:
         raise SystemExit(f"error: dataset {dataset}: no '{field}' column (columns: {', '.join(ds.column_names)}); "
                          "see --text_field")
-    ds = ds.select_columns([field])
+    ds = ds.select_columns([field]).with_format("arrow")    # batches come as Arrow tables
     n = ds.num_shards
 
     def read(i, start_row):
         part = ds.shard(num_shards=n, index=i, contiguous=True)   # exactly data file i, in order
-        if start_row:
-            part = part.skip(start_row)
-        batches = part.iter(batch_size=1024)
-        row, finished = start_row, False
-        try:
-            for batch in batches:
-                if field not in batch:
-                    raise SystemExit(f"error: dataset {dataset} file {i + 1}/{n}: no '{field}' column")
-                for text in batch[field]:
-                    yield row, text
-                    row += 1
-            finished = True
-        finally:
-            if not finished:
-                close_arrow_iterator(batches)
+        return arrow_rows(part.skip(start_row).iter(batch_size=1024), start_row, start_row)
 
     return [Unit(f"dataset {dataset} file {i + 1}/{n}", lambda start, i=i: read(i, start)) for i in range(n)]
 
@@ -274,10 +202,6 @@ def hub_units(dataset, name, split, field):
 # contains the text "<|endoftext|>" must not get a real EOT inside it, so such (rare) documents
 # are encoded on their own, as ordinary text.
 
-class TokenIdTooLarge(Exception):
-    """A token id that does not fit in uint16 (impossible with GPT-2's 50,257 ids; a guard)."""
-
-
 def encode(enc, text, allowed_special=frozenset()):
     """tiktoken's encode_to_numpy (uint32 ids, no Python list in between), no special-token checks."""
     try:
@@ -289,62 +213,33 @@ def encode(enc, text, allowed_special=frozenset()):
         return enc.encode_to_numpy(text, allowed_special=allowed_special, disallowed_special=())
 
 
-def encode_run(enc, docs):
-    """[EOT] + tokens, for each of docs (none of them containing EOT_TEXT), as one uint32 array."""
-    return encode(enc, EOT_TEXT + EOT_TEXT.join(docs), allowed_special={EOT_TEXT})
-
-
 def tokenize_batch(texts):
     """A batch of documents -> (tokens, ends): tokens is uint16, [EOT] + encode(doc) for every
     non-empty doc in order; ends[i] is where row i's tokens end (an empty row adds nothing)."""
-    enc = get_encoding()
-    pieces, run = [], []
-    for text in texts:
-        if not text:
-            continue
-        if EOT_TEXT in text:
-            if run:
-                pieces.append(encode_run(enc, run))
-                run = []
-            pieces.append(np.array([EOT], np.uint32))
-            pieces.append(encode(enc, text))    # all of it as ordinary text
+    enc, pieces = get_encoding(), []
+    # runs of non-empty documents, each either free of EOT_TEXT (one call for the run) or not (one call each)
+    for has_eot_text, run in itertools.groupby(filter(None, texts), key=lambda t: EOT_TEXT in t):
+        if has_eot_text:
+            for text in run:
+                pieces += [np.array([EOT], np.uint32), encode(enc, text)]    # all of it as ordinary text
         else:
-            run.append(text)
-    if run:
-        pieces.append(encode_run(enc, run))
+            pieces.append(encode(enc, EOT_TEXT + EOT_TEXT.join(run), allowed_special={EOT_TEXT}))
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, np.uint32)
 
     # Each non-empty document starts with the only EOT in it: ordinary text never encodes to 50256.
-    starts = np.flatnonzero(tokens == EOT)
-    nonempty = np.flatnonzero([bool(t) for t in texts])
-    assert len(starts) == len(nonempty)
-    if len(tokens) and tokens.max() >= 2**16:
-        bad = int(np.argmax(tokens >= 2**16))
-        row = int(nonempty[np.searchsorted(starts, bad, side="right") - 1])
-        raise TokenIdTooLarge(row, int(tokens[bad]))
+    starts, nonempty = np.flatnonzero(tokens == EOT), [bool(t) for t in texts]
+    assert len(starts) == sum(nonempty)
     lengths = np.zeros(len(texts), np.int64)
-    lengths[nonempty] = np.diff(np.append(starts, len(tokens)))
-    return tokens.astype(np.uint16), np.cumsum(lengths)
-
-
-def init_worker():
-    # Ctrl-C goes to the whole process group; let only the main process handle it (it stops the
-    # workers itself), instead of every worker printing a KeyboardInterrupt traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # If the main process is killed outright (kill -9, out of memory), nobody tells the workers:
-    # they would wait for work forever. A thread watching the parent ends this worker with it.
-    parent = multiprocessing.parent_process()
-    if parent is not None:
-        threading.Thread(target=lambda: (parent.join(), os._exit(1)), daemon=True).start()
-    get_encoding()
+    lengths[nonempty] = np.diff(starts, append=len(tokens))
+    ends = np.cumsum(lengths)
+    if tokens.max(initial=0) >= 2**16:   # impossible with GPT-2's 50,257 ids; a guard, as uint16 would wrap
+        bad = int(np.argmax(tokens >= 2**16))
+        raise OverflowError(int(np.searchsorted(ends, bad, side="right")), int(tokens[bad]))   # (row, id)
+    return tokens.astype(np.uint16), ends
 
 
 # -----------------------------------------------------------------------------
 # 3. Shards and the manifest on disk
-
-def shard_filename(prefix, split, index):
-    return f"{prefix}_{split}_{index:06d}.npy"
-
 
 def atomic_write(path, write):
     """Write to path.tmp, flush it to the disk, then rename: the rename is atomic, so `path` is
@@ -358,10 +253,6 @@ def atomic_write(path, write):
     os.replace(tmp, path)
 
 
-def save_shard(path, tokens):
-    atomic_write(path, lambda f: np.save(f, tokens, allow_pickle=False))
-
-
 def save_manifest(path, manifest):
     """JSON, one line per shard so that it stays readable with 100 shards."""
     lines = [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in manifest.items() if k != "shards"]
@@ -370,8 +261,48 @@ def save_manifest(path, manifest):
     atomic_write(path, lambda f: f.write(text.encode()))
 
 
+def open_output_dir(out_dir, prefix, config, overwrite):
+    """Start, resume or refuse. Returns the manifest (its "shards" are the ones verified on disk);
+    one without shards is a fresh start, saved by the caller once the input is open."""
+    manifest_path = os.path.join(out_dir, f"{prefix}_manifest.json")
+    fresh = {"version": MANIFEST_VERSION, "config": config, "complete": False, "shards": []}
+    ours = re.compile(rf"{re.escape(prefix)}_((train|val)_\d{{6}}\.npy|manifest\.json)(\.tmp)?$")
+    for f in os.listdir(out_dir) if os.path.isdir(out_dir) else []:
+        if ours.match(f) and (overwrite or f.endswith(".tmp")):   # .tmp: left by a killed write, never whole
+            os.remove(os.path.join(out_dir, f))
+    if not os.path.exists(manifest_path):
+        if os.path.isdir(out_dir) and any(ours.match(f) for f in os.listdir(out_dir)):
+            raise SystemExit(f"error: {out_dir} already holds {prefix}_*.npy shards this script did not make "
+                             f"(there is no {os.path.basename(manifest_path)}); pass --overwrite to replace "
+                             "them, or choose another --output_dir")
+        return fresh, manifest_path
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        old, shards = manifest["config"], manifest["shards"]
+        assert manifest["version"] == MANIFEST_VERSION and isinstance(old, dict)
+    except (ValueError, KeyError, TypeError, AssertionError):
+        raise SystemExit(f"error: {manifest_path} is not a manifest this script can read; "
+                         "pass --overwrite to start over")
+    if not shards:                    # a run that stopped before its first shard: nothing to keep
+        return fresh, manifest_path
+    if old != config:
+        changed = ", ".join(k for k in sorted(set(old) | set(config)) if old.get(k) != config.get(k))
+        raise SystemExit(f"error: {out_dir} holds shards made with other settings (differs in: {changed}); "
+                         "run the original command to finish them, or pass --overwrite to start over")
+    # Trust a shard only if its file is there with the size it was written with; redo from the first
+    # one that is not (its place in the input is in the manifest entry before it).
+    for i, s in enumerate(shards):
+        path = os.path.join(out_dir, s["file"])
+        if not (os.path.isfile(path) and os.path.getsize(path) == s["bytes"]):
+            manifest["shards"], manifest["complete"] = shards[:i], False
+            manifest.pop("totals", None)
+            break
+    return manifest, manifest_path
+
+
 # -----------------------------------------------------------------------------
-# 4. The pipeline: reader thread -> tokenizer pool -> shards (main thread) -> writer thread
+# 4. The pipeline: reading (main thread) -> tokenizer threads -> shards (main thread) -> writer thread
 
 Batch = collections.namedtuple("Batch", "texts units rows")   # one (unit, row) per text
 
@@ -395,166 +326,78 @@ def read_batches(units, start, batch_chars):
         yield Batch(texts, unit_ids, rows)
 
 
-class Background:
-    """Run an iterator in a thread, `depth` items ahead of the consumer, so reading (disk, network,
-    JSON parsing) overlaps with tokenizing. Exceptions are passed through to the consumer."""
-
-    DONE = object()
-
-    def __init__(self, make_iterator, depth):
-        self.queue = queue.Queue(depth)
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(make_iterator,), daemon=True)
-        self.thread.start()
-
-    def _run(self, make_iterator):
-        it = None
-        try:
-            it = make_iterator()
-            for item in it:
-                if not self._put(item):
-                    return
-            self._put(self.DONE)
-        except BaseException as e:    # SystemExit too: a bad input file found while reading
-            self._put(e)
-        finally:
-            if it is not None:
-                it.close()            # stopped early: close the readers (and their files) now, here
-
-    def _put(self, item):
-        while not self.stopping.is_set():
-            try:
-                self.queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                pass
-        return False
-
-    def __iter__(self):
-        while True:
-            item = self.queue.get()
-            if item is self.DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
-    def stop(self):
-        self.stopping.set()
-        self.thread.join()
-
-
 class Sharder:
     """Takes tokenized batches in input order and cuts them into shards; hands each finished shard
     to a writer thread, which saves it and then records it in the manifest.
 
     A place in the input is (unit, row, token): the next token to write is token `token` of the
-    document at `row` of input unit `unit` (counting its leading EOT). Along with it we keep how
-    many documents (non-empty, and empty) come before that row, so the counts survive a resume."""
+    document at `row` of input unit `unit` (counting its leading EOT)."""
 
-    def __init__(self, out_dir, prefix, shard_size, val_tokens, manifest, manifest_path):
-        self.out_dir, self.prefix = out_dir, prefix
-        self.shard_size, self.val_tokens = shard_size, val_tokens
-        self.manifest, self.manifest_path = manifest, manifest_path
+    def __init__(self, args, manifest, manifest_path):
+        self.args, self.manifest, self.manifest_path = args, manifest, manifest_path
         done = manifest["shards"]
-        last = done[-1] if done else {"end": [0, 0, 0], "docs_before_end": 0, "empty_before_end": 0}
-        self.start = (tuple(last["end"]), last["docs_before_end"], last["empty_before_end"])  # of the next shard
-        self.docs, self.empty_docs = last["docs_before_end"], last["empty_before_end"]  # before the next batch
-        self.end = self.start                 # the place after the last batch seen
-        self.skip = last["end"][2]            # resuming inside a document: its first tokens are written
+        self.end = tuple(done[-1]["end"]) if done else (0, 0, 0)   # the place after the last batch
+        self.skip = self.end[2]               # resuming inside a document: its first tokens are written
         self.tokens = sum(s["tokens"] for s in done)   # all tokens taken in so far, this run and before
-        self.index = done[-1]["index"] + 1 if done else (0 if val_tokens > 0 else 1)
-        self.val_done = self.index > 0        # the val shard is shard 0; 0 val tokens means no val shard
-        self.val_parts, self.val_count = [], 0
-        self.buf, self.fill = None, 0         # the train shard being filled
+        # the val shard is shard 0; with --val_tokens 0 there is none and train starts at 1
+        self.index = len(done) + (args.val_tokens == 0)
+        self.parts, self.fill = [], 0         # the shard being filled: token arrays, and their total length
         self.writer = ThreadPoolExecutor(1)   # one thread, so shards and manifest updates land in order
         self.writing = None
 
     def add(self, batch, tokens, ends):
         """Append one tokenized batch; returns how many tokens it added."""
-        n = len(tokens)
-        empty = np.diff(ends, prepend=0) == 0
-        empty_before = np.concatenate([[0], np.cumsum(empty)])
-
         def place(r, token=0):
-            """The place at token `token` of local row r (r == number of rows: after the batch)."""
-            if r < len(batch.rows):
-                unit, row = batch.units[r], batch.rows[r]
-            else:
-                unit, row = batch.units[-1], batch.rows[-1] + 1
-            e = int(empty_before[r])
-            return (unit, row, token), self.docs + r - e, self.empty_docs + e
+            """The place at token `token` of the batch's row r (r == number of rows: after the batch)."""
+            return (batch.units[r], batch.rows[r], token) if r < len(ends) else (batch.units[-1], batch.rows[-1] + 1, 0)
 
-        p, self.skip = self.skip, 0
-        start = p
-        if not self.val_done:
-            # val takes whole documents, up to and including the first one that reaches val_tokens
-            r = int(np.searchsorted(ends, self.val_tokens - self.val_count, side="left"))
-            p = int(ends[r]) if r < len(ends) else n
-            self.val_parts.append(tokens[:p])
-            self.val_count += p
-            if r < len(ends):
-                self.val_done = True
-                self._submit("val", self.val_parts, place(r + 1))
-                self.val_parts = []
+        p, n = self.skip, len(tokens)
+        added, self.skip = n - p, 0
         while p < n:
-            if self.buf is None:
-                self.buf, self.fill = np.empty(self.shard_size, np.uint16), 0
-            k = min(self.shard_size - self.fill, n - p)
-            self.buf[self.fill:self.fill + k] = tokens[p:p + k]
-            self.fill += k
-            p += k
-            if self.fill == self.shard_size:
-                # the shard ends inside the row whose tokens cover position p (or after the batch)
-                r = int(np.searchsorted(ends, p, side="right"))
-                token = p - (int(ends[r - 1]) if r > 0 else 0) if r < len(ends) else 0
-                self._submit("train", self.buf, place(r, token))
-                self.buf = None
-        self.end = place(len(batch.rows))
-        self.docs, self.empty_docs = self.end[1], self.end[2]
-        self.tokens += n - start
-        return n - start
+            if self.index == 0:   # val: whole documents, up to and including the first that reaches val_tokens
+                r = int(np.searchsorted(ends, self.args.val_tokens - self.fill, side="left"))
+                cut, full, end = (int(ends[r]), True, place(r + 1)) if r < len(ends) else (n, False, None)
+            else:                 # train: exactly shard_size tokens; a document may run on into the next
+                cut = min(n, p + self.args.shard_size - self.fill)
+                full = self.fill + cut - p == self.args.shard_size
+                r = int(np.searchsorted(ends, cut, side="right"))   # the row that goes on after the cut
+                end = place(r, cut - (int(ends[r - 1]) if r > 0 else 0))
+            self.parts.append(tokens[p:cut])
+            self.fill += cut - p
+            p = cut
+            if full:
+                self._submit(end)
+        self.end = place(len(ends))
+        self.tokens += added
+        return added
 
-    def _submit(self, split, tokens, place):
-        end, docs, n_empty = place
-        start, first_doc, _ = self.start
-        entry = {
-            "index": self.index, "file": shard_filename(self.prefix, split, self.index), "split": split,
-            "start": list(start), "end": list(end),
-            # the documents this shard holds tokens of (0-based, counting non-empty documents only)
-            "first_doc": first_doc, "last_doc": docs if end[2] > 0 else docs - 1,
-            "docs_before_end": docs, "empty_before_end": n_empty,
-        }
-        self.start = place
+    def _submit(self, end):
+        split = "val" if self.index == 0 else "train"
+        entry = {"file": f"{self.args.prefix}_{split}_{self.index:06d}.npy", "split": split, "end": list(end)}
+        parts, self.parts, self.fill = self.parts, [], 0
         self.index += 1
-        if self.writing is not None:
-            self.writing.result()    # at most one finished shard waits in memory while another is written
-        self.writing = self.writer.submit(self._write, entry, tokens)
+        self.wait()     # at most one finished shard waits in memory while another is written
+        self.writing = self.writer.submit(self._write, entry, parts)
 
-    def _write(self, entry, tokens):
-        if isinstance(tokens, list):
-            tokens = np.concatenate(tokens)
-        path = os.path.join(self.out_dir, entry["file"])
+    def _write(self, entry, parts):
+        path = os.path.join(self.args.output_dir, entry["file"])
+        tokens = np.concatenate(parts)
         try:
-            save_shard(path, tokens)
-            entry["tokens"], entry["bytes"] = int(len(tokens)), os.path.getsize(path)
+            atomic_write(path, lambda f: np.save(f, tokens, allow_pickle=False))
+            entry.update(tokens=len(tokens), docs=int(np.count_nonzero(tokens == EOT)), bytes=os.path.getsize(path))
             self.manifest["shards"].append(entry)
             save_manifest(self.manifest_path, self.manifest)
         except OSError as e:     # disk full, folder removed, ...: one line, and the run can be resumed
             raise SystemExit(f"error: cannot write {path}: {e}")
 
     def finish(self):
-        """End of input: write what is left (val, if it never filled up; the last train shard)."""
-        if not self.val_done and self.val_count > 0:
-            self.val_done = True
-            self._submit("val", self.val_parts, self.end)
-        if self.buf is not None and self.fill > 0:
-            self._submit("train", self.buf[:self.fill], self.end)
-            self.buf = None
+        """End of input: write what is left (the val shard, if it never filled up, or the last train shard)."""
+        if self.fill > 0:
+            self._submit(self.end)
         self.wait()
         self.manifest["complete"] = True
-        self.manifest["totals"] = {"docs": self.end[1], "empty_docs": self.end[2],
-                                   "tokens": sum(s["tokens"] for s in self.manifest["shards"])}
+        # (a document that runs on into the next shard is counted once: its EOT is in one shard)
+        self.manifest["totals"] = {"tokens": self.tokens, "docs": sum(s["docs"] for s in self.manifest["shards"])}
         save_manifest(self.manifest_path, self.manifest)
 
     def wait(self):
@@ -565,156 +408,58 @@ class Sharder:
 
 
 def tokenize_all(units, manifest, manifest_path, args):
-    """The main loop. Returns the number of tokens added by this run."""
-    sharder = Sharder(args.output_dir, args.prefix, args.shard_size, args.val_tokens, manifest, manifest_path)
+    """The main loop: read, tokenize, cut and write until the input ends."""
+    sharder = Sharder(args, manifest, manifest_path)
     if manifest["shards"]:
-        s = manifest["shards"][-1]
-        print(f"resuming after {s['file']} ({len(manifest['shards'])} shards done, "
-              f"{sum(x['tokens'] for x in manifest['shards']):,} tokens)")
-    if args.pool == "process":
-        # "spawn" starts clean interpreters: the same behaviour on Linux, macOS and Windows, and no
-        # fork() of a process that already runs threads.
-        pool = ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=init_worker)
-    else:
-        pool = ThreadPoolExecutor(args.workers)
-    start = sharder.start[0]
-    reader = Background(lambda: read_batches(units, start[:2], args.batch_chars), depth=args.workers + 2)
+        print(f"resuming after {manifest['shards'][-1]['file']} ({len(manifest['shards'])} shards done, "
+              f"{sharder.tokens:,} tokens)")
+    pool = ThreadPoolExecutor(args.workers)
+    batches = read_batches(units, sharder.end[:2], args.batch_chars)
     bar = tqdm(desc="tokenizing", unit="tok", unit_scale=True, initial=sharder.tokens, smoothing=0.05,
                dynamic_ncols=True)
-    added = 0
 
     def consume(batch, future):
-        nonlocal added
         try:
             tokens, ends = future.result()
-        except TokenIdTooLarge as e:
+        except OverflowError as e:
             row, token = e.args
             raise SystemExit(f"error: {units[batch.units[row]].name} row {batch.rows[row]}: "
                              f"token id {token} does not fit in uint16")
-        except BrokenProcessPool:
-            raise SystemExit("error: a tokenizer process died (out of memory?); run the same command "
-                             "again to resume, perhaps with fewer --workers")
-        n = sharder.add(batch, tokens, ends)
-        added += n
-        bar.update(n)
-        bar.set_postfix(docs=f"{sharder.docs:,}", shards=len(manifest["shards"]), refresh=False)
+        bar.update(sharder.add(batch, tokens, ends))
+        bar.set_postfix(shards=len(manifest["shards"]), refresh=False)
 
-    pending = collections.deque()   # batches being tokenized, oldest first: results are used in order
+    # Batches being tokenized, oldest first: results are used in input order. Enough of them are
+    # queued that the workers stay busy while this thread reads the next batch or cuts shards.
+    pending = collections.deque()
     try:
-        for batch in reader:
+        for batch in batches:
             pending.append((batch, pool.submit(tokenize_batch, batch.texts)))
             if len(pending) >= 2 * args.workers + 2:
                 consume(*pending.popleft())
         while pending:
             consume(*pending.popleft())
         if sharder.tokens == 0:
-            raise SystemExit(f"error: the input holds no text ({sharder.end[2]:,} empty documents)")
+            raise SystemExit("error: the input holds no text (only empty documents)")
         sharder.finish()
     finally:
         # normal end, an error or Ctrl-C: stop reading, drop queued batches, but let the shard
         # being written finish (it is complete: no reason to lose it)
         bar.close()
-        reader.stop()
+        batches.close()
         pool.shutdown(wait=True, cancel_futures=True)
         sharder.wait()
         sharder.writer.shutdown()
-    return added
 
 
 # -----------------------------------------------------------------------------
-# 5. The output folder, the summary, the command line
-
-def local_source(files):
-    """What identifies local input: the files and their sizes (so a changed input is noticed)."""
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f"{os.path.abspath(f)}\t{os.path.getsize(f)}\n".encode())
-    return {"files": len(files), "first": os.path.abspath(files[0]), "sha256": h.hexdigest()}
-
-
-def open_output_dir(out_dir, prefix, config, overwrite):
-    """Start, resume or refuse. Returns the manifest (its "shards" are the ones verified on disk);
-    one without shards is a fresh start, saved by the caller once the input is open."""
-    manifest_path = os.path.join(out_dir, f"{prefix}_manifest.json")
-    manifest = {"version": MANIFEST_VERSION, "config": config, "complete": False, "shards": []}
-    if not os.path.isdir(out_dir):
-        return manifest, manifest_path
-    p = re.escape(prefix)
-    ours = re.compile(rf"{p}_(train|val)_\d{{6}}\.npy(\.tmp)?$|{p}_manifest\.json\.tmp$")
-    files = [f for f in os.listdir(out_dir) if ours.match(f)]
-    if overwrite:
-        for f in files + ([os.path.basename(manifest_path)] if os.path.exists(manifest_path) else []):
-            os.remove(os.path.join(out_dir, f))
-        files = []
-    for f in files:
-        if f.endswith(".tmp"):                 # left by a write that was killed: never a finished file
-            os.remove(os.path.join(out_dir, f))
-    if not os.path.exists(manifest_path):
-        if any(f.endswith(".npy") for f in files):
-            raise SystemExit(f"error: {out_dir} already holds {prefix}_*.npy shards this script did not make "
-                             f"(there is no {os.path.basename(manifest_path)}); pass --overwrite to replace "
-                             "them, or choose another --output_dir")
-        return manifest, manifest_path
-    try:
-        with open(manifest_path) as f:
-            old_manifest = json.load(f)
-        old = old_manifest["config"]
-        assert old_manifest["version"] == MANIFEST_VERSION
-    except (ValueError, KeyError, TypeError, AssertionError):
-        raise SystemExit(f"error: {manifest_path} is not a manifest this script can read; "
-                         "pass --overwrite to start over")
-    if not old_manifest["shards"]:        # a run that stopped before its first shard: nothing to keep
-        return manifest, manifest_path
-    manifest = old_manifest
-    if old != config:
-        changed = ", ".join(k for k in sorted(set(old) | set(config)) if old.get(k) != config.get(k))
-        raise SystemExit(f"error: {out_dir} holds shards made with other settings (differs in: {changed}); "
-                         "run the original command to finish them, or pass --overwrite to start over")
-    # Trust a shard only if its file is there with the size it was written with; redo from the first
-    # one that is not (its place in the input is in the manifest entry before it).
-    good = []
-    for s in manifest["shards"]:
-        path = os.path.join(out_dir, s["file"])
-        if not (os.path.isfile(path) and os.path.getsize(path) == s["bytes"]):
-            break
-        good.append(s)
-    if len(good) < len(manifest["shards"]):
-        manifest["shards"], manifest["complete"] = good, False
-        manifest.pop("totals", None)
-    return manifest, manifest_path
-
-
-def print_summary(manifest, out_dir, added=None, seconds=None):
-    shards = manifest["shards"]
-    val = [s for s in shards if s["split"] == "val"]
-    train = [s for s in shards if s["split"] == "train"]
-    t = manifest["totals"]
-    print(f"{out_dir}: {len(shards)} shards ({len(val)} val + {len(train)} train), {t['tokens']:,} tokens "
-          f"from {t['docs']:,} documents ({t['empty_docs']:,} empty ones skipped)")
-    if val:
-        print(f"  val tokens:  {val[0]['tokens']:,} in {val[0]['file']} (whole documents)")
-    print(f"  last shard:  {shards[-1]['file']} with {shards[-1]['tokens']:,} tokens")
-    if added is not None and seconds:
-        print(f"  this run:    {added:,} tokens in {seconds:.1f} s, {added / seconds / 1e6:.2f}M tokens/s")
-    if not train:
-        print("warning: no train shard: all the input went to val; pass a smaller --val_tokens "
-              "(with --overwrite)", file=sys.stderr)
-
+# 5. The command line
 
 def count(text):
-    """A token count on the command line: 100000000, 100_000_000 or 1e8."""
-    try:
-        value = float(text.replace("_", ""))
-    except ValueError:
-        value = -1
-    if value < 0 or value != int(value):
-        raise argparse.ArgumentTypeError(f"not a whole number >= 0: {text}")
+    """A token count on the command line: 100000000, 100_000_000 or 1e8 (argparse reports a ValueError)."""
+    value = float(text.replace("_", ""))
+    if value < 0 or not value.is_integer():
+        raise ValueError(text)
     return int(value)
-
-
-def default_workers():
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def parse_args(argv=None):
@@ -730,19 +475,15 @@ def parse_args(argv=None):
     a("--output_dir", default="edu_fineweb10B", help="where the shards go (default: %(default)s)")
     a("--prefix", default=None, help="shard file prefix (default: edufineweb for --dataset, data for --input)")
     a("--shard_size", type=count, default=10**8, help="tokens per train shard (default: 1e8)")
-    a("--val_tokens", type=count, default=None, help="tokens in the val shard, whole documents so a little "
-      "more (default: --shard_size; 0: no val shard)")
-    a("--workers", type=int, default=default_workers(),
-      help="tokenizer threads or processes (default: the %(default)s cores this process may use)")
-    a("--pool", choices=("thread", "process"), default="thread", help="tokenize in threads or processes "
-      "(default: %(default)s)")
+    a("--val_tokens", type=count, default=None,
+      help="tokens in the val shard, whole documents so a little more (default: --shard_size; 0: no val shard)")
+    a("--workers", type=int, default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+      else os.cpu_count() or 1, help="tokenizer threads (default: the %(default)s cores this process may use)")
     a("--batch_chars", type=count, default=1_000_000, help="characters of text per tokenizer task (default: 1e6)")
     a("--overwrite", action="store_true", help="delete this prefix's shards and manifest in --output_dir, start over")
     args = p.parse_args(argv)
-    if args.prefix is None:
-        args.prefix = "data" if args.input else "edufineweb"
-    if args.val_tokens is None:
-        args.val_tokens = args.shard_size
+    args.prefix = ("data" if args.input else "edufineweb") if args.prefix is None else args.prefix
+    args.val_tokens = args.shard_size if args.val_tokens is None else args.val_tokens
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.-]*", args.prefix) or re.search("train|val", args.prefix):
         # train_gpt2.py picks shards by "train"/"val" in the file name
         p.error(f"--prefix {args.prefix!r}: use letters, digits, '.', '-', and not the words train or val")
@@ -753,16 +494,15 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if not hasattr(get_encoding(), "encode_to_numpy"):
-        raise SystemExit("error: fineweb.py needs tiktoken >= 0.9 (pip install -U tiktoken)")
-    t0 = time.time()
     manifest = None
     try:
         # Everything cheap is checked before anything slow: input files, then the output folder.
         if args.input:
             files = expand_inputs(args.input)
             units = local_units(files, args.text_field)
-            source = local_source(files)
+            # the files and their sizes identify local input (so that a changed input is noticed)
+            h = hashlib.sha256("".join(f"{os.path.abspath(f)}\t{os.path.getsize(f)}\n" for f in files).encode())
+            source = {"files": len(files), "first": os.path.abspath(files[0]), "sha256": h.hexdigest()}
         else:
             units = None    # opened below, only if there is work to do (it contacts the Hub)
             source = {"dataset": args.dataset, "name": args.name or None, "split": args.split}
@@ -771,24 +511,27 @@ def main(argv=None):
         manifest, manifest_path = open_output_dir(args.output_dir, args.prefix, config, args.overwrite)
         if manifest["complete"]:
             print(f"{args.output_dir} is already complete; nothing to do (pass --overwrite to redo it)")
-            print_summary(manifest, args.output_dir)
-            return manifest
-        if units is None:
-            units = hub_units(args.dataset, args.name or None, args.split, args.text_field)
-        # places in the manifest index into this list of units: it must not have changed
-        if manifest.setdefault("units", len(units)) != len(units):
-            raise SystemExit(f"error: the input now has {len(units)} files, the interrupted run had "
-                             f"{manifest['units']}; pass --overwrite to start over")
-        if not manifest["shards"]:
-            os.makedirs(args.output_dir, exist_ok=True)
-            save_manifest(manifest_path, manifest)
-        added = tokenize_all(units, manifest, manifest_path, args)
+        else:
+            units = units or hub_units(args.dataset, args.name or None, args.split, args.text_field)
+            # places in the manifest index into this list of units: it must not have changed
+            if manifest.setdefault("units", len(units)) != len(units):
+                raise SystemExit(f"error: the input now has {len(units)} files, the interrupted run had "
+                                 f"{manifest['units']}; pass --overwrite to start over")
+            if not manifest["shards"]:
+                os.makedirs(args.output_dir, exist_ok=True)
+                save_manifest(manifest_path, manifest)
+            tokenize_all(units, manifest, manifest_path, args)
     except KeyboardInterrupt:
-        done = len(manifest["shards"]) if manifest else 0
-        print(f"\ninterrupted: {done} shards are complete in {args.output_dir}; "
-              "run the same command again to continue", file=sys.stderr)
+        print(f"\ninterrupted: {len(manifest['shards']) if manifest else 0} shards are complete in "
+              f"{args.output_dir}; run the same command again to continue", file=sys.stderr)
         raise SystemExit(130)
-    print_summary(manifest, args.output_dir, added, time.time() - t0)
+    shards, totals = manifest["shards"], manifest["totals"]
+    n_val = sum(s["split"] == "val" for s in shards)
+    print(f"{args.output_dir}: {len(shards)} shards ({n_val} val + {len(shards) - n_val} train), "
+          f"{totals['tokens']:,} tokens from {totals['docs']:,} documents")
+    if n_val == len(shards):
+        print("warning: no train shard: all the input went to val; pass a smaller --val_tokens (with --overwrite)",
+              file=sys.stderr)
     return manifest
 
 

@@ -1,13 +1,12 @@
 """
-bench_fineweb.py: end-to-end tokens/s of fineweb.py against build-nanogpt's approach and against
+bench/bench_fineweb.py: end-to-end tokens/s of fineweb.py against build-nanogpt's approach and against
 tiktoken's own all-core ceiling, on the same ~50 MB of local text, measured side by side.
 
-    python bench_fineweb.py                      # 5 interleaved rounds on a 50 MB corpus
-    python bench_fineweb.py --rounds 3 --mb 20
+    python bench/bench_fineweb.py                # 5 interleaved rounds on a 50 MB corpus (from the repo root)
+    python bench/bench_fineweb.py --rounds 3 --mb 20
 
 The contenders, each timed from "go" to "shards on disk" (reading the input included):
-  fineweb          fineweb.main() as `python fineweb.py --input corpus.parquet` runs it (threads)
-  fineweb:process  the same with --pool process
+  fineweb          fineweb.main() as `python fineweb.py --input corpus.parquet` runs it
   nanogpt          build-nanogpt's fineweb.py loop: encode_ordinary per document in
                    multiprocessing.Pool(cpu_count() // 2), imap chunksize 16, filling and np.save-ing shards
   ceiling          tiktoken's encode_ordinary_batch on all cores, texts already in memory, nothing
@@ -37,8 +36,10 @@ import time
 
 import numpy as np
 
-import fineweb
-from tokenizer import EOT, get_encoding
+# this script lives in bench/: import fineweb.py and tokenizer.py from the repo root
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fineweb  # noqa: E402
+from tokenizer import EOT, get_encoding  # noqa: E402
 
 
 def build_corpus(path, target_chars):
@@ -120,12 +121,12 @@ def nanogpt_prepare(corpus, out_dir, shard_size):
 
 # --- the runs ----------------------------------------------------------------------------------
 
-def run_fineweb(pool, corpus, out_dir, shard_size):
+def run_fineweb(corpus, out_dir, shard_size):
     import contextlib
     import io
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         manifest = fineweb.main(["--input", corpus, "--output_dir", out_dir, "--overwrite",
-                                 "--shard_size", str(shard_size), "--val_tokens", str(shard_size), "--pool", pool])
+                                 "--shard_size", str(shard_size), "--val_tokens", str(shard_size)])
     return manifest["totals"]["tokens"]
 
 
@@ -166,8 +167,7 @@ def main():
           f"sha256 {digest}; {os.cpu_count()} CPUs; python {sys.version.split()[0]}")
 
     contenders = {
-        "fineweb": lambda d: run_fineweb("thread", corpus, d, args.shard_size),
-        "fineweb:process": lambda d: run_fineweb("process", corpus, d, args.shard_size),
+        "fineweb": lambda d: run_fineweb(corpus, d, args.shard_size),
         "nanogpt": lambda d: nanogpt_prepare(corpus, d, args.shard_size),
         "ceiling": lambda d: run_ceiling(texts),
     }
@@ -178,7 +178,7 @@ def main():
         order = names[r % len(names):] + names[:r % len(names)]   # rotate, so no one always goes first
         others = []
         for name in order:
-            out_dir = os.path.join(args.workdir, "out_" + name.replace(":", "_"))
+            out_dir = os.path.join(args.workdir, "out_" + name)
             shutil.rmtree(out_dir, ignore_errors=True)
             os.makedirs(out_dir)
             c0, t0 = cpu_clock(), time.perf_counter()
@@ -212,8 +212,7 @@ def main():
         print(f"\n{tokens['ceiling']:,} tokens; medians over {title} (M tokens/s):")
         for k in names:
             print(f"  {k:16s} {statistics.median(rates[k][r] for r in rounds):6.2f}")
-        for a, b in (("fineweb", "nanogpt"), ("fineweb", "ceiling"), ("fineweb:process", "nanogpt"),
-                     ("fineweb:process", "ceiling"), ("fineweb", "fineweb:process")):
+        for a, b in (("fineweb", "nanogpt"), ("fineweb", "ceiling")):
             ratios = [rates[a][r] / rates[b][r] for r in rounds]
             print(f"  {a} / {b}: median {statistics.median(ratios):.2f}  (per round: "
                   + ", ".join(f"{x:.2f}" for x in ratios) + ")")
