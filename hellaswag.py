@@ -20,7 +20,7 @@ The same evaluate() runs inside train_gpt2.py every --hellaswag_interval steps, 
 every world_size-th example and the counts summed over ranks.
 
 It is several times faster than scoring one example per forward pass the plain way, with the
-same scores: see "Scoring" below for how, and bench_hellaswag.py for how much.
+same scores: see "Scoring" below for how, and bench/bench_hellaswag.py for how much.
 """
 import argparse
 import json
