@@ -13,11 +13,15 @@ which device); this file holds the details behind each decision:
 """
 import ctypes
 import hashlib
+import json
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
+import time
+import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -86,6 +90,7 @@ class Ranks:
     local_world: int
     launcher: str  # single, torchrun, mpich, openmpi or slurm
     device: str = "cpu"
+    lock: object = None  # rank 0's lock on --log_dir (lock_folder), held until the process ends
 
     @property
     def master(self):  # rank 0 prints, logs and saves checkpoints; the others stay quiet
@@ -154,6 +159,20 @@ def init_process_group(backend, rank, world_size, local_world, launcher, timeout
         raise SystemExit(f"error: rank {rank} could not join the {world_size} ranks at {where} "
                          f"(backend {backend}, --dist_timeout {timeout_s:g}s): {e}") from None
     return where
+
+
+def run_main(main):
+    """Run a script's main(). A failed collective (a rank died or hung) ends this rank with one line and
+    exit code 1, at once: the destructors of a broken process group can block on the dead peer."""
+    try:
+        main()
+    except RuntimeError as e:
+        message = collective_failure(e)
+        if message is None:
+            raise
+        print(message, file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
 
 
 def collective_failure(e):
@@ -290,6 +309,61 @@ def find_ipex(mode, device_type):
 
 
 # -----------------------------------------------------------------------------
+# Same numbers in every process. oneMKL 2024.2 (inside torch 2.13's wheels) picks each vector-math
+# function's kernel (exp, log, tanh, ...) at its first call; when that first call runs on several threads
+# at once, one thread can compute its whole chunk with a low-accuracy kernel (pytorch/pytorch#188792).
+# Results then depend on thread timing: the same resume gave 10.572952 in one process and 10.572960 in
+# another. One call on one element, made by one thread before any parallel work, settles every kernel.
+
+
+def warm_up_vector_math():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for dtype in (torch.float32, torch.float64):
+            x = torch.full((1,), 0.5, dtype=dtype)
+            for f in (torch.exp, torch.expm1, torch.log, torch.log1p, torch.log2, torch.log10, torch.tanh,
+                      torch.sigmoid, torch.erf, torch.erfc, torch.erfinv, torch.sqrt, torch.rsqrt, torch.reciprocal,
+                      torch.sin, torch.cos, torch.tan, torch.asin, torch.acos, torch.atan, torch.sinh, torch.cosh,
+                      torch.lgamma, torch.abs, torch.neg, torch.floor, torch.ceil, torch.trunc):
+                f(x)
+            x.pow(1.5)
+    finally:
+        torch.set_num_threads(threads)
+
+
+# -----------------------------------------------------------------------------
+# Stopping cleanly: schedulers (Slurm, Kubernetes, PBS) send SIGTERM some time before SIGKILL
+
+
+class GracefulStop:
+    """SIGTERM and SIGINT (Ctrl-C) ask the run to stop at the next step boundary, after a checkpoint;
+    a second signal stops at once. Exit codes follow the shell's convention: 128 + the signal's number
+    (143 for SIGTERM, 130 for SIGINT)."""
+
+    def __init__(self):
+        self.signum, self.when = 0, 0.0
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        # within a second it is the same request arriving twice (torchrun forwards what Slurm also sends)
+        if self.signum and time.monotonic() - self.when > 1.0:
+            print(f"{signal.Signals(signum).name} again: stopping now, without a checkpoint", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        self.signum, self.when = self.signum or signum, self.when or time.monotonic()
+
+    def agreed(self, ranks):
+        """The signal any rank received (0: none). One tiny all-reduce, so every rank decides alike,
+        also when the scheduler signalled only some of them."""
+        if ranks.world_size > 1:
+            flag = torch.tensor([self.signum], device=ranks.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            return int(flag)
+        return self.signum
+
+
+# -----------------------------------------------------------------------------
 # Memory: keep what was freed. A training step allocates and frees the same big tensors every time
 # (activations, logits chunks, gradients). glibc's malloc serves every block over 32 MB with its own
 # mmap and unmaps it when freed, so each step the kernel hands those pages back one 4 KB page fault
@@ -396,3 +470,106 @@ def leave_process_group():
     import gc
     gc.collect()
     torch.distributed.destroy_process_group()
+
+
+# -----------------------------------------------------------------------------
+# Files: nothing written is left half-written, a damaged checkpoint is refused, one run per folder
+
+
+def atomic_save(obj, path):
+    """torch.save to path.tmp, then rename: readers see the old file or the new one, never a mix.
+    A failed write (a full disk, say) removes the partial .tmp and ends with one error line."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        # torch reports a failed write as "[enforce fail at inline_container.cc...]"; the OS's reason is more use
+        cause = e if isinstance(e, OSError) else e.__cause__ or e.__context__ or e
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+        raise SystemExit(f"error: cannot write {path} ({one_line(cause)}; {free / 2**20:.0f} MiB free there)") from None
+    os.replace(tmp, path)
+
+
+def check_free_space(folder, needed, what):
+    """One error line before training when a file we will write cannot fit."""
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise SystemExit(f"error: {folder} has {free / 2**20:.0f} MiB free, but {what} needs about "
+                         f"{needed / 2**20:.0f} MiB: free some space or choose another --log_dir")
+
+
+def tensor_checksums(obj, prefix=""):
+    """{path: CRC-32 of the tensor's bytes} for every tensor in a nested dict/list (a checkpoint).
+    CRC-32 catches every single flipped bit and every burst of up to 32, at ~1 GB/s."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        return {prefix: zlib.crc32(t.view(-1).view(torch.uint8).numpy()) if t.numel() else 0}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    sums = {}
+    for k, v in items:
+        sums.update(tensor_checksums(v, f"{prefix}/{k}" if prefix else str(k)))
+    return sums
+
+
+def verify_checksums(obj, expected, path):
+    """A damaged tensor (a bit flipped on disk or in transit) is refused, naming the file and the tensor."""
+    for name, crc in tensor_checksums(obj).items():
+        if expected.get(name, crc) != crc:
+            raise SystemExit(f"error: checkpoint {path} is damaged: tensor {name} does not match its checksum")
+
+
+def lock_folder(folder):
+    """One writer per log folder: an advisory lock, held until this process ends (kill -9 included).
+    Returns the open lock file, which must stay referenced for as long as the lock is wanted."""
+    import fcntl
+    lock_path = os.path.join(folder, "lock")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        f = open(lock_path, "a+")
+    except OSError as e:
+        raise SystemExit(f"error: --log_dir {folder} is not writable ({one_line(e)})") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        raise SystemExit(f"error: --log_dir {folder} is in use by {holder}: one run per folder (if that "
+                         "process is a leftover rank of a killed launcher, kill it first)") from None
+    f.truncate(0)
+    f.write(f"PID {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f
+
+
+def max_token_id(path, tokens):
+    """The largest id in a memory-mapped shard, remembered in ~/.cache/gpt2-cpu/max_token_ids.json by the
+    file's path, size and modification time: reading 10B tokens from a cold disk takes minutes."""
+    st = os.stat(path)
+    key = f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}"
+    cache_file = os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")), "gpt2-cpu", "max_token_ids.json")
+    try:
+        with open(cache_file) as f:
+            cache = json.load(f)
+    except (OSError, ValueError):
+        cache = {}
+    if key not in cache:
+        cache[key] = int(tokens.max())
+        try:  # ranks on one host may write at once: each its own temporary file, the last rename wins
+            os.makedirs(os.path.dirname(cache_file), exist_ok=True)
+            with open(f"{cache_file}.{os.getpid()}.tmp", "w") as f:
+                json.dump(cache, f)
+            os.replace(f"{cache_file}.{os.getpid()}.tmp", cache_file)
+        except OSError:
+            pass  # a read-only cache only makes the next run slower
+    return cache[key]
+
+
+def one_line(e):
+    """An exception as one line: errors we report must fit on one."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"

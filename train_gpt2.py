@@ -13,8 +13,10 @@ scripts import GPT from it.
 """
 import argparse
 import glob
+import json
 import math
 import os
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -44,16 +46,15 @@ class GPTConfig:
 class KVCache:
     """Keys and values of the tokens seen so far, so generation feeds one new token per forward."""
 
-    def __init__(self, n_layer):
-        self.k = [None] * n_layer
-        self.v = [None] * n_layer
+    def __init__(self, n_layer, max_len):
+        self.k, self.v, self.max_len = [None] * n_layer, [None] * n_layer, max_len
         self.pos = 0  # how many positions are filled
 
-    def update(self, layer, k, v, max_len):
+    def update(self, layer, k, v):
         if self.k[layer] is None:  # allocate on first use, in the dtype autocast gave us
             B, nh, _, hs = k.shape
-            self.k[layer] = k.new_zeros(B, nh, max_len, hs)
-            self.v[layer] = v.new_zeros(B, nh, max_len, hs)
+            self.k[layer] = k.new_zeros(B, nh, self.max_len, hs)
+            self.v[layer] = v.new_zeros(B, nh, self.max_len, hs)
         T = k.size(2)
         self.k[layer][:, :, self.pos:self.pos + T] = k
         self.v[layer][:, :, self.pos:self.pos + T] = v
@@ -75,17 +76,15 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         # (B, T, C) -> (B, n_head, T, head_size): heads become a batch dimension
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if kv_cache is None or kv_cache.pos == 0:
             if kv_cache is not None:
-                kv_cache.update(layer, k, v, self.max_len)
+                kv_cache.update(layer, k, v)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             # new queries at positions pos..pos+T-1 see every cached key and the new ones up to themselves
             pos = kv_cache.pos
-            k, v = kv_cache.update(layer, k, v, self.max_len)
+            k, v = kv_cache.update(layer, k, v)
             # (one new query, the usual case, sees them all: no mask needed)
             mask = torch.ones(T, pos + T, dtype=torch.bool, device=x.device).tril(diagonal=pos) if T > 1 else None
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -203,8 +202,6 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
-        for block in self.transformer.h:
-            block.attn.max_len = config.block_size
         self.apply(self._init_weights)
 
     def _init_weights(self, module):
@@ -244,7 +241,7 @@ class GPT(nn.Module):
         Once the context is full there is nothing left to cache: every further step recomputes
         the last block_size tokens, so the output always equals a plain recompute."""
         block_size = self.config.block_size
-        kv_cache = KVCache(self.config.n_layer)
+        kv_cache = KVCache(self.config.n_layer, block_size)
         logits, _ = self(idx[:, -block_size:], kv_cache=kv_cache)
         for _ in range(max_new_tokens):
             logits = logits[:, -1, :tokenizer.VOCAB_SIZE].float()  # padded vocab ids are never sampled
@@ -277,7 +274,7 @@ class GPT(nn.Module):
                 config_file = hf_hub_download(repo, "config.json")
                 weights_file = hf_hub_download(repo, "model.safetensors")
             except Exception as e:
-                raise SystemExit(f"error: could not fetch {repo} from the Hugging Face hub ({one_line(e)}); "
+                raise SystemExit(f"error: could not fetch {repo} from the Hugging Face hub ({machine.one_line(e)}); "
                                  "download config.json and model.safetensors into a directory and pass its path instead")
         elif os.path.isdir(name_or_path):
             config_file = os.path.join(name_or_path, "config.json")
@@ -295,7 +292,7 @@ class GPT(nn.Module):
         try:
             theirs = load_file(weights_file)
         except Exception as e:
-            raise SystemExit(f"error: cannot read {weights_file}: {one_line(e)}")
+            raise SystemExit(f"error: cannot read {weights_file}: {machine.one_line(e)}")
         # save_pretrained() writes 'transformer.h.0...', OpenAI's upload has no prefix; the attention
         # 'bias' buffers are causal masks, and lm_head is tied to wte, so neither is loaded.
         # OpenAI's checkpoints use a 'Conv1D' module: a Linear whose weight is stored transposed.
@@ -328,12 +325,6 @@ class GPT(nn.Module):
         return optimizer, fused
 
 
-def one_line(e):
-    """An exception as one line: errors we report must fit on one."""
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"
-
-
 PRETRAINED_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 PADDED_VOCAB_SIZE = 50304  # 50257 rounded up to a multiple of 128: friendlier matrix shapes
 
@@ -350,7 +341,7 @@ def open_shard(path):
     try:
         tokens = np.load(path, mmap_mode="r", allow_pickle=False)
     except Exception as e:
-        raise SystemExit(f"error: cannot read shard {path}: {one_line(e)}")
+        raise SystemExit(f"error: cannot read shard {path}: {machine.one_line(e)}")
     if tokens.dtype != np.uint16 or tokens.ndim != 1:
         raise SystemExit(f"error: shard {path} holds {tokens.dtype} of shape {tokens.shape}, expected a 1-D uint16 array")
     if len(tokens) == 0:
@@ -363,6 +354,17 @@ def check_enough_tokens(shards, files, T, what):
     if sum((len(s) - 1) // T for s in shards) == 0:
         raise SystemExit(f"error: the {what} shards ({', '.join(map(os.path.basename, files))}) hold fewer "
                          f"than the {T + 1} tokens one sequence of --seq_len {T} needs")
+
+
+def check_token_ids(files, vocab_size, print0=None):
+    """Every token id must have an embedding row: a larger one would crash training when its block comes up.
+    Ids from 50257 to the padded vocabulary's end are never produced by GPT-2's tokenizer: a warning."""
+    for f in files:
+        top = machine.max_token_id(f, open_shard(f))  # remembered across runs: a 10B-token scan is slow
+        if top >= vocab_size:
+            raise SystemExit(f"error: shard {f} holds token id {top}, beyond the model's vocabulary of {vocab_size}")
+        if top >= tokenizer.VOCAB_SIZE and print0:
+            print0(f"warning: shard {f} holds token id {top}: a padding id no GPT-2 tokenizer produces")
 
 
 class DataLoader:
@@ -459,23 +461,18 @@ def checkpoint_path(log_dir, step):
 
 
 def list_checkpoints(log_dir):
-    return sorted(glob.glob(os.path.join(log_dir, "model_[0-9]*.pt")))
-
-
-def atomic_save(obj, path):
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one, never a mix
+    """Our checkpoints, oldest first, by step number (as text, model_100000.pt would sort before model_99999.pt)."""
+    steps = {os.path.basename(f)[6:-3]: f for f in glob.glob(os.path.join(log_dir, "model_*.pt"))}
+    return [steps[s] for s in sorted((s for s in steps if s.isdigit()), key=int)]
 
 
 def load_checkpoint(path):
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise SystemExit(f"error: cannot load checkpoint {path}: {one_line(e)}")
+        raise SystemExit(f"error: cannot load checkpoint {path}: {machine.one_line(e)}")
+    machine.verify_checksums({k: v for k, v in ckpt.items() if k != "checksums"}, ckpt.get("checksums", {}), path)
+    return ckpt
 
 
 def load_model(name_or_path):
@@ -572,18 +569,21 @@ def resolve_args(argv, ranks):
     by the flags given now; the demo's settings when there is no data. Returns (args, checkpoint, its path)."""
     args = build_parser().parse_args(argv)
     given = vars(build_parser(defaults=False).parse_args(argv))  # only the flags on the command line
-    ckpt, ckpt_file = None, None
+    ckpt, ckpt_file, saved_args = None, None, None
     if args.resume:
-        ckpt_file = args.resume
-        if ckpt_file == "latest":
-            found = list_checkpoints(args.log_dir)
-            if not found:
-                raise SystemExit(f"error: --resume: no model_*.pt checkpoint in --log_dir {args.log_dir}")
-            ckpt_file = found[-1]
-        if not os.path.isfile(ckpt_file):
+        ckpt_file = args.resume if args.resume != "latest" else (list_checkpoints(args.log_dir) or [None])[-1]
+        if ckpt_file is None:  # killed before its first checkpoint: a scheduler's requeue starts it again
+            ranks.print0(f"--resume: no checkpoint in --log_dir {args.log_dir} yet: starting the run from step 0")
+        elif not os.path.isfile(ckpt_file):
             raise SystemExit(f"error: --resume: checkpoint {ckpt_file} not found")
-        ckpt = load_checkpoint(ckpt_file)  # every rank loads the same file
-        saved = {**vars(args), **ckpt["args"]}  # a flag newer than the checkpoint keeps its default
+        else:
+            ckpt = load_checkpoint(ckpt_file)  # every rank loads the same file
+            saved_args = ckpt["args"]
+    if saved_args is None and args.resume and os.path.exists(os.path.join(args.log_dir, "args.json")):
+        with open(os.path.join(args.log_dir, "args.json")) as f:
+            saved_args = json.load(f)  # the arguments the run in --log_dir started with
+    if saved_args is not None:
+        saved = {**vars(args), **saved_args}  # a flag newer than the checkpoint keeps its default
         saved.update({k: v for k, v in given.items() if k in saved})
         saved.update(resume=args.resume, overwrite=False, log_dir=given.get("log_dir", saved["log_dir"]))
         args = argparse.Namespace(**saved)
@@ -628,10 +628,12 @@ def check_run(args, ranks):
         if not val_files:
             raise SystemExit(f"error: no shards with 'val' in their name in --data_dir {args.data_dir} (or pass --eval_interval 0)")
         check_enough_tokens([open_shard(f) for f in val_files], val_files, args.seq_len, "val")
+    check_token_ids(train_loader.files + find_shards(args.data_dir, "val"), PADDED_VOCAB_SIZE)  # no model of ours has more
     has_run = os.path.exists(os.path.join(args.log_dir, "log.txt")) or list_checkpoints(args.log_dir)
     if has_run and not args.resume and not args.overwrite:
         raise SystemExit(f"error: --log_dir {args.log_dir} already holds a run; continue it with --resume, "
                          "choose another --log_dir, or pass --overwrite to replace it")
+    ranks.lock = machine.lock_folder(args.log_dir) if ranks.master else None  # one run per folder; also: writable?
     return train_loader, args.total_batch_size // tokens_per_micro
 
 
@@ -695,13 +697,17 @@ def prepare_training(args, ranks, model, ckpt, ckpt_file, train_loader, ipex):
     return model, optimizer, start_step
 
 
-def prepare_log_dir(args, ranks):
-    """log.txt is appended to; --overwrite first deletes the old run's checkpoints and log."""
+def prepare_log_dir(args, ranks, resumed):
+    """log.txt is appended to; --overwrite first deletes the old run's checkpoints and log. args.json
+    records how a run started, for a --resume before its first checkpoint."""
     if ranks.master:
-        os.makedirs(args.log_dir, exist_ok=True)
         for f in list_checkpoints(args.log_dir) if args.overwrite and not args.resume else []:
             os.remove(f)
         open(os.path.join(args.log_dir, "log.txt"), "w" if args.overwrite and not args.resume else "a").close()
+        if not resumed:
+            with open(os.path.join(args.log_dir, "args.json.tmp"), "w") as f:
+                json.dump(vars(args), f, indent=1)
+            os.replace(os.path.join(args.log_dir, "args.json.tmp"), os.path.join(args.log_dir, "args.json"))
 
 
 def evaluate_val_loss(args, ranks, model, autocast):
@@ -729,8 +735,12 @@ def print_samples(ranks, model, autocast):
         print(f"sample {i}: {tokenizer.decode(row)}", flush=True)
 
 
-def save_checkpoint(args, step, model, optimizer, train_loader, val_loss):
-    """Everything an exact resume needs: weights, optimizer moments, data position, RNG, run arguments."""
+def save_checkpoint(args, ranks, step, model, optimizer, train_loader, val_loss, evaluated=True):
+    """Everything an exact resume needs: weights, optimizer moments, data position, RNG, run arguments.
+    Never a diverged state: non-finite weights or val loss are not saved, so they can't push a good checkpoint out."""
+    if not (all(p.isfinite().all() for p in model.parameters()) and math.isfinite(val_loss or 0.0)):
+        ranks.print0(f"warning: no checkpoint at step {step}: the weights or the val loss are not finite")
+        return
     state = {
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
@@ -740,16 +750,28 @@ def save_checkpoint(args, step, model, optimizer, train_loader, val_loss):
         "loader": train_loader.state_dict(),
         "rng": {"torch": torch.get_rng_state()},
         "val_loss": val_loss,
+        "evaluated": evaluated,  # False: stopped by a signal before this step's evaluations
     }
-    atomic_save(state, checkpoint_path(args.log_dir, step))
-    if args.keep_checkpoints > 0:
-        for old in list_checkpoints(args.log_dir)[:-args.keep_checkpoints]:
-            os.remove(old)
+    state["checksums"] = machine.tensor_checksums(state)  # verified by load_checkpoint
+    machine.atomic_save(state, checkpoint_path(args.log_dir, step))
+
+
+def prune_checkpoints(args, ranks, newer_than=None):
+    """Keep the newest --keep_checkpoints. Called once the step after the newest has given a finite loss:
+    weights can be finite and still diverge at once, so a checkpoint counts only after a good step from it.
+    newer_than=S (a diverged run): delete the checkpoints after step S, which never gave a good step."""
+    found = list_checkpoints(args.log_dir)
+    if newer_than is not None:
+        old = [f for f in found if int(os.path.basename(f)[6:-3]) > newer_than]
+    else:
+        old = found[:-args.keep_checkpoints] if args.keep_checkpoints > 0 else []
+    for f in old if ranks.master else []:
+        os.remove(f)
 
 
 def train_step(args, ranks, step, model, optimizer, train_loader, grad_accum_steps, autocast):
     """One optimizer step over total_batch_size tokens: grad_accum_steps micro-batches on every rank.
-    Returns (mean loss, gradient norm, learning rate)."""
+    Returns (mean loss, gradient norm, learning rate, whether the weights were updated)."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
     loss_accum = torch.zeros((), device=ranks.device)
@@ -770,20 +792,42 @@ def train_step(args, ranks, step, model, optimizer, train_loader, grad_accum_ste
     lr = get_lr(step, args.warmup_steps, args.max_steps, args.max_lr, args.min_lr)
     for group in optimizer.param_groups:
         group["lr"] = lr
-    optimizer.step()
+    # a non-finite loss or gradient would make every weight NaN: skip the update (every rank sees the same
+    # all-reduced numbers, so all skip alike); main() stops the run if it keeps happening
+    finite = bool(loss_accum.isfinite() and norm.isfinite())
+    if finite:
+        optimizer.step()
     if ranks.device.startswith("cuda"):
         torch.cuda.synchronize()
-    return loss_accum.item(), norm.item(), lr
+    return loss_accum.item(), norm.item(), lr, finite
+
+
+def stop_early(args, ranks, signum, step, model, optimizer, train_loader, save):
+    """After a SIGTERM or SIGINT: save where the run is (its evaluations run when it resumes). Returns the exit code."""
+    saved = ""
+    if ranks.master and save:
+        save_checkpoint(args, ranks, step, model, optimizer, train_loader, None, evaluated=False)
+        saved = f"saved {checkpoint_path(args.log_dir, step)}; continue with --resume; "
+    if ranks.world_size > 1:
+        torch.distributed.barrier()  # nobody leaves before the checkpoint is written: launchers kill the rest
+    print(f"rank {ranks.rank}: stopped by {signal.Signals(signum).name} before step {step}: {saved}"
+          f"exit code {128 + signum}", file=sys.stderr, flush=True)
+    return 128 + signum
 
 
 # -----------------------------------------------------------------------------
 # Training
+
+# a non-finite loss now and then (a bad batch, a bf16 overflow) is skipped; this many in a row is divergence
+MAX_SKIPPED_STEPS = 5
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     machine.compile_cache_dir()  # now: building the optimizer already makes torch settle on a cache folder
     machine.keep_freed_memory()  # before the first big tensor
+    machine.warm_up_vector_math()  # so that a resumed run computes exactly what the uninterrupted one did
+    stop = machine.GracefulStop()  # SIGTERM / Ctrl-C: finish the step, save a checkpoint, exit
     # How to run is the launcher's decision: torchrun, mpirun and srun each tell every process its rank
     # and the world size in their own variables; without one, we are a single process (world size 1).
     ranks = machine.Ranks(*machine.detect_launch())
@@ -792,23 +836,28 @@ def main(argv=None):
     ipex = start_ranks(args, ranks)
 
     raw_model = build_model(args, ckpt)  # the plain GPT: evaluation and sampling run it eagerly
-    if args.seq_len > raw_model.config.block_size:
-        raise SystemExit(f"error: --seq_len {args.seq_len} is longer than the model's context {raw_model.config.block_size}")
+    config, n_params = raw_model.config, sum(p.numel() for p in raw_model.parameters())
+    if args.seq_len > config.block_size:
+        raise SystemExit(f"error: --seq_len {args.seq_len} is longer than the model's context {config.block_size}")
+    check_token_ids(train_loader.files + find_shards(args.data_dir, "val"), config.vocab_size, ranks.print0)
+    if ranks.master and args.checkpoint_interval > 0:  # weights and AdamW's two moments, in fp32
+        machine.check_free_space(args.log_dir, 12 * n_params, "a checkpoint")
     raw_model.to(ranks.device)
-    ranks.print0(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters, {raw_model.config}")
+    ranks.print0(f"model: {n_params / 1e6:.2f}M parameters, {config}")
     model, optimizer, start_step = prepare_training(args, ranks, raw_model, ckpt, ckpt_file, train_loader, ipex)
+    evaluated = ckpt is not None and ckpt.get("evaluated", True)  # were start_step's evaluations done already?
     del ckpt
     device_type = ranks.device.split(":")[0]
     autocast = torch.autocast(device_type=device_type, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
-    prepare_log_dir(args, ranks)
+    prepare_log_dir(args, ranks, resumed=ckpt_file is not None)
     ranks.print0(f"total batch {args.total_batch_size} tokens = {args.batch_size} x {args.seq_len} x "
                  f"{ranks.world_size} rank(s) x {grad_accum_steps} accumulation steps")
 
-    hellaswag_works = True
+    hellaswag_works, skipped, exit_code = True, 0, 0
     for step in range(start_step, args.max_steps + 1):
         last_step = step == args.max_steps
-        # a resumed run already did the evals and the checkpoint of its first step before saving it
-        periodic = step > start_step or ckpt_file is None
+        # a resumed run already did the evals and the checkpoint of its first step (unless a signal stopped it)
+        periodic = step > start_step or not evaluated
         due = lambda interval: periodic and interval > 0 and (step % interval == 0 or last_step)  # noqa: E731
         val_loss = None
         if due(args.eval_interval):
@@ -823,13 +872,14 @@ def main(argv=None):
                 append_log(args.log_dir, ranks, f"{step} hella {acc:.4f}")
         if due(args.sample_interval) and (step > 0 or last_step) and ranks.master:
             print_samples(ranks, raw_model, autocast)
-        if due(args.checkpoint_interval) and step > 0 and ranks.master:
-            save_checkpoint(args, step, raw_model, optimizer, train_loader, val_loss)
+        if due(args.checkpoint_interval) and step > 0 and ranks.master and not skipped:
+            save_checkpoint(args, ranks, step, raw_model, optimizer, train_loader, val_loss)
         if last_step:
+            prune_checkpoints(args, ranks)
             break
 
         t0 = time.time()
-        loss, norm, lr = train_step(args, ranks, step, model, optimizer, train_loader, grad_accum_steps, autocast)
+        loss, norm, lr, updated = train_step(args, ranks, step, model, optimizer, train_loader, grad_accum_steps, autocast)
         dt = time.time() - t0
         ranks.print0(f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm:.4f} | "
                      f"dt {dt * 1000:.0f}ms | tok/sec {args.total_batch_size / dt:.0f}")
@@ -837,23 +887,31 @@ def main(argv=None):
         first_dt = dt if step == start_step else first_dt
         if args.compile and step == start_step + 1:  # the first step's extra time went to compiling (0 if cached)
             ranks.print0(f"compile: took about {max(first_dt - dt, 0):.1f} s, during the first step")
+        skipped = 0 if updated else skipped + 1
+        if updated:
+            prune_checkpoints(args, ranks)
+        else:
+            ranks.print0(f"warning: step {step}: the loss or the gradient norm is not finite: update skipped")
+        if skipped == MAX_SKIPPED_STEPS:  # every rank got here alike
+            prune_checkpoints(args, ranks, newer_than=step - skipped)
+            found = list_checkpoints(args.log_dir)
+            raise SystemExit(f"error: training diverged: {skipped} steps in a row with a non-finite loss or gradient "
+                             f"(the last at step {step}); the newest checkpoint that trained on, "
+                             f"{found[-1] if found else '(none)'}, is kept: lower --max_lr" if ranks.master else 1)
+        if signum := stop.agreed(ranks):
+            save = args.checkpoint_interval > 0 and not skipped  # no checkpoint of weights that just diverged
+            exit_code = stop_early(args, ranks, signum, step + 1, raw_model, optimizer, train_loader, save)
+            break
 
     machine.check_same_weights(ranks, raw_model)  # DDP's promise: every rank ends with the same weights
     if ranks.world_size > 1:
         del model  # DDP's reducer holds the process group: release it first (see machine.leave_process_group)
         machine.leave_process_group()
-    if args.demo:
+    if args.demo and not exit_code:
         print_next_steps(args, ranks)
+    if exit_code:
+        raise SystemExit(exit_code)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except RuntimeError as e:
-        message = machine.collective_failure(e)
-        if message is None:
-            raise
-        # leave at once: the destructors of a broken process group can block on the dead peer
-        print(message, file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(1)
+    machine.run_main(main)
