@@ -12,6 +12,7 @@ which device); this file holds the details behind each decision:
   - torch.compile: where its kernels are cached, how much forward keeps for backward
 """
 import ctypes
+import glob
 import hashlib
 import json
 import os
@@ -25,6 +26,7 @@ import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 
+import numpy as np
 import torch
 
 # -----------------------------------------------------------------------------
@@ -503,6 +505,39 @@ def check_free_space(folder, needed, what):
                          f"{needed / 2**20:.0f} MiB: free some space or choose another --log_dir")
 
 
+def checkpoint_path(log_dir, step):
+    return os.path.join(log_dir, f"model_{step:05d}.pt")
+
+
+def list_checkpoints(log_dir):
+    """Our checkpoints, oldest first, by step number (as text, model_100000.pt would sort before model_99999.pt)."""
+    steps = {os.path.basename(f)[6:-3]: f for f in glob.glob(os.path.join(log_dir, "model_*.pt"))}
+    return [steps[s] for s in sorted((s for s in steps if s.isdigit()), key=int)]
+
+
+def prune_checkpoints(log_dir, keep, newer_than=None):
+    """Keep the newest `keep` (0: all); or, given newer_than=S, delete those after step S."""
+    found = list_checkpoints(log_dir)
+    if newer_than is not None:
+        old = [f for f in found if int(os.path.basename(f)[6:-3]) > newer_than]
+    else:
+        old = found[:-keep] if keep > 0 else []
+    for f in old:
+        os.remove(f)
+
+
+def prepare_log_dir(log_dir, run_args, overwrite, fresh):
+    """log.txt is appended to (--overwrite: emptied, and the old checkpoints deleted). A fresh run records
+    its arguments in args.json, so that a --resume before its first checkpoint starts the same run."""
+    for f in list_checkpoints(log_dir) if overwrite else []:
+        os.remove(f)
+    open(os.path.join(log_dir, "log.txt"), "w" if overwrite else "a").close()
+    if fresh:
+        with open(os.path.join(log_dir, "args.json.tmp"), "w") as f:
+            json.dump(run_args, f, indent=1)
+        os.replace(os.path.join(log_dir, "args.json.tmp"), os.path.join(log_dir, "args.json"))
+
+
 def tensor_checksums(obj, prefix=""):
     """{path: CRC-32 of the tensor's bytes} for every tensor in a nested dict/list (a checkpoint).
     CRC-32 catches every single flipped bit and every burst of up to 32, at ~1 GB/s."""
@@ -546,6 +581,17 @@ def lock_folder(folder):
     return f
 
 
+def check_token_ids(files, vocab_size, print0=None):
+    """Every token id must have an embedding row: a larger one would crash training when its block comes up.
+    Ids from 50257 to the padded vocabulary's end are never produced by GPT-2's tokenizer: a warning."""
+    for f in files:
+        top = max_token_id(f, np.load(f, mmap_mode="r"))  # remembered across runs: a 10B-token scan is slow
+        if top >= vocab_size:
+            raise SystemExit(f"error: shard {f} holds token id {top}, beyond the model's vocabulary of {vocab_size}")
+        if top >= 50257 and print0:
+            print0(f"warning: shard {f} holds token id {top}: a padding id no GPT-2 tokenizer produces")
+
+
 def max_token_id(path, tokens):
     """The largest id in a memory-mapped shard, remembered in ~/.cache/gpt2-cpu/max_token_ids.json by the
     file's path, size and modification time: reading 10B tokens from a cold disk takes minutes."""
@@ -567,6 +613,27 @@ def max_token_id(path, tokens):
         except OSError:
             pass  # a read-only cache only makes the next run slower
     return cache[key]
+
+
+def pretrained_files(name_or_path, hub_names):
+    """(config.json, model.safetensors) of OpenAI's GPT-2 on the Hugging Face hub, or in a local folder."""
+    names = ("config.json", "model.safetensors")
+    if name_or_path in hub_names:
+        from huggingface_hub import hf_hub_download  # honours HF_HOME, HF_HUB_OFFLINE, HF_ENDPOINT
+        try:
+            config_file, weights_file = (hf_hub_download("openai-community/" + name_or_path, f) for f in names)
+        except Exception as e:
+            raise SystemExit(f"error: could not fetch openai-community/{name_or_path} from the Hugging Face hub "
+                             f"({one_line(e)}); download {' and '.join(names)} into a folder and pass its path")
+    elif os.path.isdir(name_or_path):
+        config_file, weights_file = (os.path.join(name_or_path, f) for f in names)
+        for f in (config_file, weights_file):
+            if not os.path.isfile(f):
+                raise SystemExit(f"error: {f} not found: a pretrained directory needs config.json and model.safetensors")
+    else:
+        raise SystemExit(f"error: --init_from {name_or_path!r} is neither one of {', '.join(hub_names)} "
+                         "nor a directory holding config.json and model.safetensors")
+    return config_file, weights_file
 
 
 def one_line(e):

@@ -29,10 +29,10 @@ from torch.nn import functional as F
 
 import machine
 import tokenizer
+from machine import checkpoint_path, list_checkpoints
 
 # -----------------------------------------------------------------------------
 # The model: GPT-2 exactly (pre-LayerNorm transformer, tanh GELU, learned positions, tied lm_head)
-
 
 @dataclass
 class GPTConfig:
@@ -41,7 +41,6 @@ class GPTConfig:
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
-
 
 class KVCache:
     """Keys and values of the tokens seen so far, so generation feeds one new token per forward."""
@@ -60,7 +59,6 @@ class KVCache:
         self.v[layer][:, :, self.pos:self.pos + T] = v
         return self.k[layer][:, :, :self.pos + T], self.v[layer][:, :, :self.pos + T]
 
-
 class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
@@ -77,20 +75,16 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         # (B, T, C) -> (B, n_head, T, head_size): heads become a batch dimension
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        if kv_cache is None or kv_cache.pos == 0:
-            if kv_cache is not None:
-                kv_cache.update(layer, k, v)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            # new queries at positions pos..pos+T-1 see every cached key and the new ones up to themselves
-            pos = kv_cache.pos
+        pos = kv_cache.pos if kv_cache is not None else 0
+        if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v)
-            # (one new query, the usual case, sees them all: no mask needed)
+        if pos == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # new queries at pos..pos+T-1 see every cached key, and the new ones up to themselves
             mask = torch.ones(T, pos + T, dtype=torch.bool, device=x.device).tril(diagonal=pos) if T > 1 else None
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (one new query sees all: no mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads side by side
         return self.c_proj(y)
-
 
 class MLP(nn.Module):
 
@@ -103,7 +97,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.c_proj(self.gelu(self.c_fc(x)))
-
 
 class Block(nn.Module):
 
@@ -120,7 +113,6 @@ class Block(nn.Module):
         x = x + self.mlp(self.ln_2(x))
         return x
 
-
 # The loss: lm_head and cross-entropy fused, a chunk of positions at a time.
 #
 # The output layer is GPT-2's biggest matrix multiply and its logits are the biggest tensor of a
@@ -135,7 +127,6 @@ class Block(nn.Module):
 # The math is F.cross_entropy's; only the rounding differs (tests/test_perf.py measures by how much).
 LOSS_CHUNK = 1024  # positions per chunk: their fp32 logits take 1024 x 50304 x 4 bytes = 206 MB
 
-
 def lm_head_loss(x, weight, targets):
     """F.cross_entropy(x @ weight.T, targets) for x (..., C) and targets (...), chunk by chunk.
     Under autocast the matmuls run in its dtype, as lm_head's would; the softmax is always fp32."""
@@ -146,7 +137,6 @@ def lm_head_loss(x, weight, targets):
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
             return LMHeadLoss.apply(x, weight, targets, dtype)
         return chunked_loss(x, weight, targets, dtype, grads=False)[0] / x.size(0)  # validation: the loss alone
-
 
 def chunked_loss(x, weight, targets, dtype, grads):
     """Summed cross-entropy and, if grads, its gradients with respect to x (N, C) and weight (V, C)."""
@@ -172,7 +162,6 @@ def chunked_loss(x, weight, targets, dtype, grads):
             grad_w += g.t() @ xc
     return loss, grad_x, grad_w
 
-
 class LMHeadLoss(torch.autograd.Function):
 
     @staticmethod
@@ -187,7 +176,6 @@ class LMHeadLoss(torch.autograd.Function):
         grad_x, grad_w = ctx.saved_tensors
         scale = grad_loss / ctx.N  # the mean's 1/N, applied to these two gradients rather than to all the logits
         return grad_x * scale, grad_w * scale, None, None
-
 
 class GPT(nn.Module):
 
@@ -265,26 +253,8 @@ class GPT(nn.Module):
     def from_pretrained(cls, name_or_path):
         """OpenAI's GPT-2 weights from the Hugging Face hub (gpt2, gpt2-medium, gpt2-large, gpt2-xl),
         or a local directory in the same layout (config.json + model.safetensors)."""
-        import json
         from safetensors.torch import load_file
-        if name_or_path in PRETRAINED_NAMES:
-            from huggingface_hub import hf_hub_download  # honours HF_HOME, HF_HUB_OFFLINE, HF_ENDPOINT
-            repo = "openai-community/" + name_or_path
-            try:
-                config_file = hf_hub_download(repo, "config.json")
-                weights_file = hf_hub_download(repo, "model.safetensors")
-            except Exception as e:
-                raise SystemExit(f"error: could not fetch {repo} from the Hugging Face hub ({machine.one_line(e)}); "
-                                 "download config.json and model.safetensors into a directory and pass its path instead")
-        elif os.path.isdir(name_or_path):
-            config_file = os.path.join(name_or_path, "config.json")
-            weights_file = os.path.join(name_or_path, "model.safetensors")
-            for f in (config_file, weights_file):
-                if not os.path.isfile(f):
-                    raise SystemExit(f"error: {f} not found: a pretrained directory needs config.json and model.safetensors")
-        else:
-            raise SystemExit(f"error: --init_from {name_or_path!r} is neither one of {', '.join(PRETRAINED_NAMES)} "
-                             "nor a directory holding config.json and model.safetensors")
+        config_file, weights_file = machine.pretrained_files(name_or_path, PRETRAINED_NAMES)
         with open(config_file) as f:
             hf = json.load(f)
         model = GPT(GPTConfig(block_size=hf["n_positions"], vocab_size=hf["vocab_size"],
@@ -312,18 +282,22 @@ class GPT(nn.Module):
         model.load_state_dict(ours, strict=False)
         return model
 
+    @classmethod
+    def from_checkpoint(cls, ckpt):
+        """The model in one of our checkpoints (see load_checkpoint)."""
+        model = cls(GPTConfig(**ckpt["config"]))
+        model.load_state_dict(ckpt["model"])
+        return model
+
     def configure_optimizer(self, weight_decay, learning_rate, device_type):
         # decay the matrices (weights of Linear layers, embeddings); not biases and LayerNorm gains
         params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
         # fused AdamW runs the whole update in one kernel; PyTorch has it for CPU since 2.4
         fused = device_type in ("cpu", "cuda", "xpu")
         optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused)
         return optimizer, fused
-
 
 PRETRAINED_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 PADDED_VOCAB_SIZE = 50304  # 50257 rounded up to a multiple of 128: friendlier matrix shapes
@@ -331,10 +305,8 @@ PADDED_VOCAB_SIZE = 50304  # 50257 rounded up to a multiple of 128: friendlier m
 # -----------------------------------------------------------------------------
 # Data: uint16 token shards (np.save), memory-mapped, shuffled deterministically
 
-
 def find_shards(data_dir, split):  # fineweb.py names them edu_fineweb_{train,val}_NNNNNN.npy
     return sorted(f for f in glob.glob(os.path.join(data_dir, "*.npy")) if split in os.path.basename(f))
-
 
 def open_shard(path):
     """Memory-map a shard: only the pages we read are loaded. Fails with one line on a bad file."""
@@ -348,24 +320,11 @@ def open_shard(path):
         raise SystemExit(f"error: shard {path} is empty")
     return tokens
 
-
 def check_enough_tokens(shards, files, T, what):
     # a short shard (the last one fineweb.py writes may be) just yields fewer blocks; none at all is an error
     if sum((len(s) - 1) // T for s in shards) == 0:
         raise SystemExit(f"error: the {what} shards ({', '.join(map(os.path.basename, files))}) hold fewer "
                          f"than the {T + 1} tokens one sequence of --seq_len {T} needs")
-
-
-def check_token_ids(files, vocab_size, print0=None):
-    """Every token id must have an embedding row: a larger one would crash training when its block comes up.
-    Ids from 50257 to the padded vocabulary's end are never produced by GPT-2's tokenizer: a warning."""
-    for f in files:
-        top = machine.max_token_id(f, open_shard(f))  # remembered across runs: a 10B-token scan is slow
-        if top >= vocab_size:
-            raise SystemExit(f"error: shard {f} holds token id {top}, beyond the model's vocabulary of {vocab_size}")
-        if top >= tokenizer.VOCAB_SIZE and print0:
-            print0(f"warning: shard {f} holds token id {top}: a padding id no GPT-2 tokenizer produces")
-
 
 class DataLoader:
     """Cuts each shard into blocks of T+1 tokens (inputs and targets overlap by one) and serves
@@ -425,7 +384,6 @@ class DataLoader:
         buf = torch.from_numpy(np.stack(rows))
         return buf[:, :-1].contiguous(), buf[:, 1:].contiguous()  # inputs, and targets shifted by one
 
-
 def val_batches(data_dir, T, val_tokens, B, rank, world_size):
     """The first val_tokens//T blocks of the val shards, in order, this rank's share (block i goes
     to rank i % world_size), in batches of at most B. Which tokens are scored does not depend on
@@ -437,10 +395,8 @@ def val_batches(data_dir, T, val_tokens, B, rank, world_size):
         buf = torch.from_numpy(np.stack([np.asarray(s[o:o + T + 1], dtype=np.int64) for s, o in mine[i:i + B]]))
         yield buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
 
-
 # -----------------------------------------------------------------------------
 # Learning rate: linear warmup, then cosine decay to min_lr (build-nanogpt's get_lr)
-
 
 def get_lr(it, warmup_steps, max_steps, max_lr, min_lr):
     if it < warmup_steps:
@@ -451,20 +407,8 @@ def get_lr(it, warmup_steps, max_steps, max_lr, min_lr):
     coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))  # goes from 1 to 0
     return min_lr + coeff * (max_lr - min_lr)
 
-
 # -----------------------------------------------------------------------------
 # Checkpoints: written to a temporary file and renamed, so a crash never leaves half a file
-
-
-def checkpoint_path(log_dir, step):
-    return os.path.join(log_dir, f"model_{step:05d}.pt")
-
-
-def list_checkpoints(log_dir):
-    """Our checkpoints, oldest first, by step number (as text, model_100000.pt would sort before model_99999.pt)."""
-    steps = {os.path.basename(f)[6:-3]: f for f in glob.glob(os.path.join(log_dir, "model_*.pt"))}
-    return [steps[s] for s in sorted((s for s in steps if s.isdigit()), key=int)]
-
 
 def load_checkpoint(path):
     try:
@@ -474,16 +418,11 @@ def load_checkpoint(path):
     machine.verify_checksums({k: v for k, v in ckpt.items() if k != "checksums"}, ckpt.get("checksums", {}), path)
     return ckpt
 
-
 def load_model(name_or_path):
     """One of our checkpoints (.pt), or what GPT.from_pretrained reads (gpt2..gpt2-xl, a Hugging Face-layout folder)."""
-    if not os.path.isfile(name_or_path):
-        return GPT.from_pretrained(name_or_path)
-    ckpt = load_checkpoint(name_or_path)
-    model = GPT(GPTConfig(**ckpt["config"]))
-    model.load_state_dict(ckpt["model"])
-    return model
-
+    if os.path.isfile(name_or_path):
+        return GPT.from_checkpoint(load_checkpoint(name_or_path))
+    return GPT.from_pretrained(name_or_path)
 
 def append_log(log_dir, ranks, *lines):
     """log.txt: one line per measurement ('STEP KIND VALUE'), written by rank 0 alone; play.ipynb plots it."""
@@ -491,10 +430,8 @@ def append_log(log_dir, ranks, *lines):
         with open(os.path.join(log_dir, "log.txt"), "a") as f:
             f.write("".join(line + "\n" for line in lines))
 
-
 # -----------------------------------------------------------------------------
 # Command line
-
 
 def build_parser(defaults=True):
     p = argparse.ArgumentParser(description="Train or fine-tune GPT-2 on CPUs (and GPUs).",
@@ -542,13 +479,11 @@ def build_parser(defaults=True):
     a("--demo", action="store_true", default=d(False), help="train a small GPT on a local demo corpus")
     return p
 
-
 # The demo: a small GPT on the Python standard library's own source, which every machine with Python has.
 DEMO_ARGS = dict(n_layer=4, n_head=4, n_embd=256, block_size=256, seq_len=256, batch_size=16,
                  total_batch_size=4096, max_steps=60, warmup_steps=10, max_lr=3e-3, min_lr=3e-4,
                  eval_interval=30, val_tokens=32768, sample_interval=60, hellaswag_interval=0,
                  checkpoint_interval=60, log_dir="log_demo")
-
 
 def print_next_steps(args, ranks):
     """The demo's last words: where its results went, and what to try next."""
@@ -559,10 +494,8 @@ def print_next_steps(args, ranks):
                  f"  jupyter notebook play.ipynb    # the loss curves (set log_dir = \"{args.log_dir}\" in its first cell)\n"
                  f"  python fineweb.py, then python train_gpt2.py    # the real thing: GPT-2 (124M) on FineWeb-Edu")
 
-
 # -----------------------------------------------------------------------------
 # The stages of a run. main() at the bottom tells the story; each stage is one function here.
-
 
 def resolve_args(argv, ranks):
     """The run's arguments: the command line, or, with --resume, the checkpoint's run arguments overridden
@@ -601,7 +534,6 @@ def resolve_args(argv, ranks):
         fineweb.build_demo_shards(args.data_dir)
     return args, ckpt, ckpt_file
 
-
 def check_run(args, ranks):
     """Everything cheap to check, before anything expensive. Returns (train loader, gradient accumulation steps)."""
     world_size = ranks.world_size
@@ -628,14 +560,13 @@ def check_run(args, ranks):
         if not val_files:
             raise SystemExit(f"error: no shards with 'val' in their name in --data_dir {args.data_dir} (or pass --eval_interval 0)")
         check_enough_tokens([open_shard(f) for f in val_files], val_files, args.seq_len, "val")
-    check_token_ids(train_loader.files + find_shards(args.data_dir, "val"), PADDED_VOCAB_SIZE)  # no model of ours has more
+    machine.check_token_ids(train_loader.files + find_shards(args.data_dir, "val"), PADDED_VOCAB_SIZE)  # no model of ours has more
     has_run = os.path.exists(os.path.join(args.log_dir, "log.txt")) or list_checkpoints(args.log_dir)
     if has_run and not args.resume and not args.overwrite:
         raise SystemExit(f"error: --log_dir {args.log_dir} already holds a run; continue it with --resume, "
                          "choose another --log_dir, or pass --overwrite to replace it")
     ranks.lock = machine.lock_folder(args.log_dir) if ranks.master else None  # one run per folder; also: writable?
     return train_loader, args.total_batch_size // tokens_per_micro
-
 
 def start_ranks(args, ranks):
     """Pick the device, join the other ranks (the process group), and set the CPU threads."""
@@ -652,19 +583,24 @@ def start_ranks(args, ranks):
         ranks.print0(machine.set_cpu_threads(args.threads, ranks.world_size, ranks.local_world))
     return ipex
 
-
-def build_model(args, ckpt):
+def build_model(args, ranks, ckpt, train_loader):
     """The checkpoint's weights when resuming; else a scratch GPT-2, OpenAI's weights, or one of our checkpoints."""
     torch.manual_seed(args.seed)  # same initial weights on every rank
     if ckpt is not None:
-        model = GPT(GPTConfig(**ckpt["config"]))
-        model.load_state_dict(ckpt["model"])
-        return model
-    if args.init_from == "scratch":
-        return GPT(GPTConfig(block_size=args.block_size, vocab_size=PADDED_VOCAB_SIZE,
-                             n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd))
-    return load_model(args.init_from)
-
+        model = GPT.from_checkpoint(ckpt)
+    elif args.init_from == "scratch":
+        model = GPT(GPTConfig(block_size=args.block_size, vocab_size=PADDED_VOCAB_SIZE,
+                              n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd))
+    else:
+        model = load_model(args.init_from)
+    config, n_params = model.config, sum(p.numel() for p in model.parameters())
+    if args.seq_len > config.block_size:
+        raise SystemExit(f"error: --seq_len {args.seq_len} is longer than the model's context {config.block_size}")
+    machine.check_token_ids(train_loader.files + find_shards(args.data_dir, "val"), config.vocab_size, ranks.print0)
+    if ranks.master and args.checkpoint_interval > 0:  # weights and AdamW's two moments, in fp32
+        machine.check_free_space(args.log_dir, 12 * n_params, "a checkpoint")
+    ranks.print0(f"model: {n_params / 1e6:.2f}M parameters, {config}")
+    return model.to(ranks.device)
 
 def prepare_training(args, ranks, model, ckpt, ckpt_file, train_loader, ipex):
     """The optimizer, the resumed state, then the wrappers: IPEX, torch.compile, DDP. Returns (model, optimizer, first step)."""
@@ -696,44 +632,35 @@ def prepare_training(args, ranks, model, ckpt, ckpt_file, train_loader, ipex):
         model = DDP(model, device_ids=[ranks.local_rank] if device_type == "cuda" else None)
     return model, optimizer, start_step
 
-
-def prepare_log_dir(args, ranks, resumed):
-    """log.txt is appended to; --overwrite first deletes the old run's checkpoints and log. args.json
-    records how a run started, for a --resume before its first checkpoint."""
-    if ranks.master:
-        for f in list_checkpoints(args.log_dir) if args.overwrite and not args.resume else []:
-            os.remove(f)
-        open(os.path.join(args.log_dir, "log.txt"), "w" if args.overwrite and not args.resume else "a").close()
-        if not resumed:
-            with open(os.path.join(args.log_dir, "args.json.tmp"), "w") as f:
-                json.dump(vars(args), f, indent=1)
-            os.replace(os.path.join(args.log_dir, "args.json.tmp"), os.path.join(args.log_dir, "args.json"))
-
-
-def evaluate_val_loss(args, ranks, model, autocast):
-    """The mean loss over the same val tokens whatever the batch size or world size."""
+def evaluate(args, ranks, step, model, autocast, due):
+    """This step's evaluations, each when due: val loss, HellaSwag, samples. Returns the val loss (or None)."""
     model.eval()
-    stats = torch.zeros(2, dtype=torch.float64, device=ranks.device)  # summed loss, token count
-    with torch.no_grad():
-        for x, y in val_batches(args.data_dir, args.seq_len, args.val_tokens, args.batch_size, ranks.rank, ranks.world_size):
-            x, y = x.to(ranks.device), y.to(ranks.device)
-            with autocast:
-                _, loss = model(x, y)
-            stats += torch.tensor([loss.item() * y.numel(), y.numel()], dtype=torch.float64, device=ranks.device)
-    ranks.all_reduce_sum(stats)
-    return (stats[0] / stats[1]).item()
-
-
-def print_samples(ranks, model, autocast):
-    """Four continuations of one prompt, to see what the model has learned."""
-    model.eval()
-    prompt = torch.tensor([tokenizer.encode("Hello, I'm a language model,")] * 4, device=ranks.device)
-    gen = torch.Generator(device=ranks.device).manual_seed(42 + ranks.rank)
-    with autocast:
-        new = torch.stack(list(model.generate(prompt, 32, top_k=50, generator=gen)), dim=1)
-    for i, row in enumerate(torch.cat((prompt, new), dim=1).tolist()):
-        print(f"sample {i}: {tokenizer.decode(row)}", flush=True)
-
+    val_loss = None
+    if due(args.eval_interval):  # the same val tokens whatever the batch size or world size
+        stats = torch.zeros(2, dtype=torch.float64, device=ranks.device)  # summed loss, token count
+        with torch.no_grad():
+            for x, y in val_batches(args.data_dir, args.seq_len, args.val_tokens, args.batch_size, ranks.rank, ranks.world_size):
+                with autocast:
+                    _, loss = model(x.to(ranks.device), y.to(ranks.device))
+                stats += torch.tensor([loss.item() * y.numel(), y.numel()], dtype=torch.float64, device=ranks.device)
+        val_loss = (ranks.all_reduce_sum(stats)[0] / stats[1]).item()
+        ranks.print0(f"validation loss: {val_loss:.4f}")
+        append_log(args.log_dir, ranks, f"{step} val {val_loss:.4f}")
+    if due(args.hellaswag_interval):
+        import hellaswag
+        acc = hellaswag.accuracy_during_training(model, args.hellaswag_dir, ranks, args.dtype, args.batch_size)
+        if acc is None:
+            args.hellaswag_interval = 0  # no data is no reason to stop training: it is just not measured
+        else:
+            append_log(args.log_dir, ranks, f"{step} hella {acc:.4f}")
+    if due(args.sample_interval) and (step > 0 or step == args.max_steps) and ranks.master:
+        prompt = torch.tensor([tokenizer.encode("Hello, I'm a language model,")] * 4, device=ranks.device)
+        gen = torch.Generator(device=ranks.device).manual_seed(42 + ranks.rank)
+        with autocast:
+            new = torch.stack(list(model.generate(prompt, 32, top_k=50, generator=gen)), dim=1)
+        for i, row in enumerate(torch.cat((prompt, new), dim=1).tolist()):
+            print(f"sample {i}: {tokenizer.decode(row)}", flush=True)
+    return val_loss
 
 def save_checkpoint(args, ranks, step, model, optimizer, train_loader, val_loss, evaluated=True):
     """Everything an exact resume needs: weights, optimizer moments, data position, RNG, run arguments.
@@ -754,20 +681,6 @@ def save_checkpoint(args, ranks, step, model, optimizer, train_loader, val_loss,
     }
     state["checksums"] = machine.tensor_checksums(state)  # verified by load_checkpoint
     machine.atomic_save(state, checkpoint_path(args.log_dir, step))
-
-
-def prune_checkpoints(args, ranks, newer_than=None):
-    """Keep the newest --keep_checkpoints. Called once the step after the newest has given a finite loss:
-    weights can be finite and still diverge at once, so a checkpoint counts only after a good step from it.
-    newer_than=S (a diverged run): delete the checkpoints after step S, which never gave a good step."""
-    found = list_checkpoints(args.log_dir)
-    if newer_than is not None:
-        old = [f for f in found if int(os.path.basename(f)[6:-3]) > newer_than]
-    else:
-        old = found[:-args.keep_checkpoints] if args.keep_checkpoints > 0 else []
-    for f in old if ranks.master else []:
-        os.remove(f)
-
 
 def train_step(args, ranks, step, model, optimizer, train_loader, grad_accum_steps, autocast):
     """One optimizer step over total_batch_size tokens: grad_accum_steps micro-batches on every rank.
@@ -801,7 +714,6 @@ def train_step(args, ranks, step, model, optimizer, train_loader, grad_accum_ste
         torch.cuda.synchronize()
     return loss_accum.item(), norm.item(), lr, finite
 
-
 def stop_early(args, ranks, signum, step, model, optimizer, train_loader, save):
     """After a SIGTERM or SIGINT: save where the run is (its evaluations run when it resumes). Returns the exit code."""
     saved = ""
@@ -814,13 +726,28 @@ def stop_early(args, ranks, signum, step, model, optimizer, train_loader, save):
           f"exit code {128 + signum}", file=sys.stderr, flush=True)
     return 128 + signum
 
+def count_skipped(args, ranks, step, updated, skipped):
+    """Steps in a row that could not update the weights. A checkpoint counts only once a step from it
+    updated them (weights can be finite and still diverge at once): then older ones are pruned."""
+    if updated:
+        if ranks.master:
+            machine.prune_checkpoints(args.log_dir, args.keep_checkpoints)
+        return 0
+    ranks.print0(f"warning: step {step}: the loss or the gradient norm is not finite: update skipped")
+    if skipped + 1 == MAX_SKIPPED_STEPS:  # every rank gets here alike
+        if ranks.master:
+            machine.prune_checkpoints(args.log_dir, 0, newer_than=step - MAX_SKIPPED_STEPS)
+        found = list_checkpoints(args.log_dir)
+        raise SystemExit(f"error: training diverged: {MAX_SKIPPED_STEPS} steps in a row with a non-finite loss or "
+                         f"gradient (the last at step {step}); the newest checkpoint that trained on, "
+                         f"{found[-1] if found else '(none)'}, is kept: lower --max_lr" if ranks.master else 1)
+    return skipped + 1
 
 # -----------------------------------------------------------------------------
 # Training
 
 # a non-finite loss now and then (a bad batch, a bf16 overflow) is skipped; this many in a row is divergence
 MAX_SKIPPED_STEPS = 5
-
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
@@ -835,47 +762,30 @@ def main(argv=None):
     train_loader, grad_accum_steps = check_run(args, ranks)
     ipex = start_ranks(args, ranks)
 
-    raw_model = build_model(args, ckpt)  # the plain GPT: evaluation and sampling run it eagerly
-    config, n_params = raw_model.config, sum(p.numel() for p in raw_model.parameters())
-    if args.seq_len > config.block_size:
-        raise SystemExit(f"error: --seq_len {args.seq_len} is longer than the model's context {config.block_size}")
-    check_token_ids(train_loader.files + find_shards(args.data_dir, "val"), config.vocab_size, ranks.print0)
-    if ranks.master and args.checkpoint_interval > 0:  # weights and AdamW's two moments, in fp32
-        machine.check_free_space(args.log_dir, 12 * n_params, "a checkpoint")
-    raw_model.to(ranks.device)
-    ranks.print0(f"model: {n_params / 1e6:.2f}M parameters, {config}")
+    raw_model = build_model(args, ranks, ckpt, train_loader)  # the plain GPT: evaluation and sampling run it eagerly
     model, optimizer, start_step = prepare_training(args, ranks, raw_model, ckpt, ckpt_file, train_loader, ipex)
     evaluated = ckpt is not None and ckpt.get("evaluated", True)  # were start_step's evaluations done already?
     del ckpt
     device_type = ranks.device.split(":")[0]
     autocast = torch.autocast(device_type=device_type, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
-    prepare_log_dir(args, ranks, resumed=ckpt_file is not None)
+    if ranks.master:  # log.txt, args.json (how the run started: for a --resume before its first checkpoint)
+        machine.prepare_log_dir(args.log_dir, vars(args), overwrite=args.overwrite and not args.resume,
+                                fresh=ckpt_file is None)
     ranks.print0(f"total batch {args.total_batch_size} tokens = {args.batch_size} x {args.seq_len} x "
                  f"{ranks.world_size} rank(s) x {grad_accum_steps} accumulation steps")
 
-    hellaswag_works, skipped, exit_code = True, 0, 0
+    skipped, exit_code, first_dt = 0, 0, 0.0
     for step in range(start_step, args.max_steps + 1):
         last_step = step == args.max_steps
         # a resumed run already did the evals and the checkpoint of its first step (unless a signal stopped it)
         periodic = step > start_step or not evaluated
         due = lambda interval: periodic and interval > 0 and (step % interval == 0 or last_step)  # noqa: E731
-        val_loss = None
-        if due(args.eval_interval):
-            val_loss = evaluate_val_loss(args, ranks, raw_model, autocast)
-            ranks.print0(f"validation loss: {val_loss:.4f}")
-            append_log(args.log_dir, ranks, f"{step} val {val_loss:.4f}")
-        if due(args.hellaswag_interval) and hellaswag_works:
-            import hellaswag
-            acc = hellaswag.accuracy_during_training(raw_model, args.hellaswag_dir, ranks, args.dtype, args.batch_size)
-            hellaswag_works = acc is not None  # no data is no reason to stop training: it is just not measured
-            if hellaswag_works:
-                append_log(args.log_dir, ranks, f"{step} hella {acc:.4f}")
-        if due(args.sample_interval) and (step > 0 or last_step) and ranks.master:
-            print_samples(ranks, raw_model, autocast)
+        val_loss = evaluate(args, ranks, step, raw_model, autocast, due)
         if due(args.checkpoint_interval) and step > 0 and ranks.master and not skipped:
             save_checkpoint(args, ranks, step, raw_model, optimizer, train_loader, val_loss)
         if last_step:
-            prune_checkpoints(args, ranks)
+            if ranks.master:
+                machine.prune_checkpoints(args.log_dir, args.keep_checkpoints)
             break
 
         t0 = time.time()
@@ -887,17 +797,7 @@ def main(argv=None):
         first_dt = dt if step == start_step else first_dt
         if args.compile and step == start_step + 1:  # the first step's extra time went to compiling (0 if cached)
             ranks.print0(f"compile: took about {max(first_dt - dt, 0):.1f} s, during the first step")
-        skipped = 0 if updated else skipped + 1
-        if updated:
-            prune_checkpoints(args, ranks)
-        else:
-            ranks.print0(f"warning: step {step}: the loss or the gradient norm is not finite: update skipped")
-        if skipped == MAX_SKIPPED_STEPS:  # every rank got here alike
-            prune_checkpoints(args, ranks, newer_than=step - skipped)
-            found = list_checkpoints(args.log_dir)
-            raise SystemExit(f"error: training diverged: {skipped} steps in a row with a non-finite loss or gradient "
-                             f"(the last at step {step}); the newest checkpoint that trained on, "
-                             f"{found[-1] if found else '(none)'}, is kept: lower --max_lr" if ranks.master else 1)
+        skipped = count_skipped(args, ranks, step, updated, skipped)
         if signum := stop.agreed(ranks):
             save = args.checkpoint_interval > 0 and not skipped  # no checkpoint of weights that just diverged
             exit_code = stop_early(args, ranks, signum, step + 1, raw_model, optimizer, train_loader, save)
@@ -907,11 +807,10 @@ def main(argv=None):
     if ranks.world_size > 1:
         del model  # DDP's reducer holds the process group: release it first (see machine.leave_process_group)
         machine.leave_process_group()
-    if args.demo and not exit_code:
-        print_next_steps(args, ranks)
     if exit_code:
         raise SystemExit(exit_code)
-
+    if args.demo:
+        print_next_steps(args, ranks)
 
 if __name__ == "__main__":
     machine.run_main(main)
