@@ -12,18 +12,12 @@ one fewer); a document may run on from one train shard into the next. The val sh
 the first documents, whole, until it has at least --val_tokens tokens: unlike build-nanogpt (which
 cuts val at exactly 1e8 tokens) no document is split between val and train.
 
-Documents come from the Hugging Face dataset HuggingFaceFW/fineweb-edu (config sample-10BT),
-streamed with `datasets` so that tokenizing starts at once and the disk only ever holds shards
-(--dataset may also be a local folder laid out like that repository), or from local files (--input).
-
-Speed: tokenizing is the only real work, and tiktoken does it in Rust without holding Python's GIL.
-So --workers threads (one per core) tokenize ~1 MB batches of documents while the main thread reads
-the next ones and cuts the results, in order, into shards; a writer thread saves them.
-
-Safety: a shard is written under a temporary name, flushed to disk and renamed, so a file with a
-shard's final name is always complete. A manifest ({prefix}_manifest.json) records where in the input
-each shard ends: after Ctrl-C, kill -9 or a crash the same command carries on from the last finished
-shard, and the shards come out byte-identical to an uninterrupted run's.
+Documents come from HuggingFaceFW/fineweb-edu (sample-10BT), streamed with `datasets` so the disk
+only ever holds shards, or from local files (--input). Tokenizing is the only real work and tiktoken
+does it in Rust without Python's GIL: one thread per core tokenizes ~1 MB batches while the main
+thread reads and cuts shards, in order. Each shard is written under a temporary name and renamed, and a
+manifest records where in the input each one ends: after Ctrl-C or kill -9 the same command carries on
+from the last finished shard, byte-identical to an uninterrupted run. More: docs/data.md.
 """
 import argparse
 import collections
@@ -47,7 +41,6 @@ EOT_TEXT = "<|endoftext|>"        # the text that tiktoken turns into the EOT id
 MANIFEST_VERSION = 2
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 
-
 # -----------------------------------------------------------------------------
 # 1. Where documents come from
 #
@@ -57,7 +50,6 @@ LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 # That is all resuming needs: reopen unit `unit`, jump to `row`, drop `token` tokens.
 
 Unit = collections.namedtuple("Unit", "name read")   # read(start_row) -> iterator of (row, text), rows >= start_row
-
 
 def expand_inputs(patterns):
     """--input values -> the list of files, in a fixed order (sorted within each pattern)."""
@@ -77,13 +69,11 @@ def expand_inputs(patterns):
                 files.append(f)
     return files
 
-
 def get_text(obj, field, path, where):
     if not isinstance(obj, dict) or field not in obj:
         keys = sorted(obj)[:10] if isinstance(obj, dict) else type(obj).__name__
         raise SystemExit(f"error: {path} {where}: no '{field}' field (found {keys}); see --text_field")
     return obj[field]
-
 
 def read_parquet(path, field, start_row):
     """The field's column of a parquet file, as (row, text) from start_row on. The column is checked
@@ -93,7 +83,6 @@ def read_parquet(path, field, start_row):
         raise SystemExit(f"error: {path}: no '{field}' column (columns: {', '.join(pf.schema_arrow.names)}); "
                          "see --text_field")
     return arrow_rows(pf.iter_batches(batch_size=1024, columns=[field]), 0, start_row)
-
 
 def read_text(path, field, start_row):
     """The documents of a text file, from start_row on, as (row, text):
@@ -125,7 +114,6 @@ def read_text(path, field, start_row):
                         raise SystemExit(f"error: {path} line {row + 1}: not valid JSON ({e})")
                     yield row, get_text(obj, field, path, f"line {row + 1}")
 
-
 def arrow_rows(batches, row, start_row):
     """(row, text) from start_row on, out of Arrow batches (parquet record batches, or the dataset's
     tables) of one text column whose first row is `row`. Batches wholly before start_row are
@@ -147,7 +135,6 @@ def arrow_rows(batches, row, start_row):
         gc.collect()
         raise
 
-
 def local_units(files, field):
     """Check every file cheaply before any work (readable, has the text field), then wrap each."""
     units = []
@@ -165,7 +152,6 @@ def local_units(files, field):
             raise SystemExit(f"error: {path}: cannot read it ({type(e).__name__}: {e})")
         units.append(Unit(path, lambda start, p=path, read=read: read(p, field, start)))
     return units
-
 
 def hub_units(dataset, name, split, field):
     """A Hugging Face dataset, streamed. load_dataset(..., streaming=True) only lists the data files;
@@ -187,7 +173,6 @@ def hub_units(dataset, name, split, field):
         return arrow_rows(part.skip(start_row).iter(batch_size=1024), start_row, start_row)
 
     return [Unit(f"dataset {dataset} file {i + 1}/{n}", lambda start, i=i: read(i, start)) for i in range(n)]
-
 
 # -----------------------------------------------------------------------------
 # 2. Tokenizing
@@ -211,7 +196,6 @@ def encode(enc, text, allowed_special=frozenset()):
         # tiktoken's encode_ordinary does, so the ids match tokenizer.encode() exactly.
         text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
         return enc.encode_to_numpy(text, allowed_special=allowed_special, disallowed_special=())
-
 
 def tokenize_batch(texts):
     """A batch of documents -> (tokens, ends): tokens is uint16, [EOT] + encode(doc) for every
@@ -237,7 +221,6 @@ def tokenize_batch(texts):
         raise OverflowError(int(np.searchsorted(ends, bad, side="right")), int(tokens[bad]))   # (row, id)
     return tokens.astype(np.uint16), ends
 
-
 # -----------------------------------------------------------------------------
 # 3. Shards and the manifest on disk
 
@@ -252,14 +235,12 @@ def atomic_write(path, write):
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
-
 def save_manifest(path, manifest):
     """JSON, one line per shard so that it stays readable with 100 shards."""
     lines = [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in manifest.items() if k != "shards"]
     shards = ",\n".join(f"  {json.dumps(s)}" for s in manifest["shards"])
     text = "{\n" + "\n".join(lines) + '\n "shards": [\n' + shards + "\n ]\n}\n"
     atomic_write(path, lambda f: f.write(text.encode()))
-
 
 def open_output_dir(out_dir, prefix, config, overwrite):
     """Start, resume or refuse. Returns the manifest (its "shards" are the ones verified on disk);
@@ -300,12 +281,10 @@ def open_output_dir(out_dir, prefix, config, overwrite):
             break
     return manifest, manifest_path
 
-
 # -----------------------------------------------------------------------------
 # 4. The pipeline: reading (main thread) -> tokenizer threads -> shards (main thread) -> writer thread
 
 Batch = collections.namedtuple("Batch", "texts units rows")   # one (unit, row) per text
-
 
 def read_batches(units, start, batch_chars):
     """Documents from `start` = (unit, row) on, grouped into batches of about batch_chars characters
@@ -324,7 +303,6 @@ def read_batches(units, start, batch_chars):
                 texts, unit_ids, rows, chars = [], [], [], 0
     if texts:
         yield Batch(texts, unit_ids, rows)
-
 
 class Sharder:
     """Takes tokenized batches in input order and cuts them into shards; hands each finished shard
@@ -406,7 +384,6 @@ class Sharder:
             writing, self.writing = self.writing, None
             writing.result()
 
-
 def tokenize_all(units, manifest, manifest_path, args):
     """The main loop: read, tokenize, cut and write until the input ends."""
     sharder = Sharder(args, manifest, manifest_path)
@@ -450,7 +427,6 @@ def tokenize_all(units, manifest, manifest_path, args):
         sharder.wait()
         sharder.writer.shutdown()
 
-
 # -----------------------------------------------------------------------------
 # 5. The command line
 
@@ -460,7 +436,6 @@ def count(text):
     if value < 0 or not value.is_integer():
         raise ValueError(text)
     return int(value)
-
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Tokenize FineWeb-Edu (or your own text) into uint16 GPT-2 shards.")
@@ -490,7 +465,6 @@ def parse_args(argv=None):
     if args.shard_size < 1 or args.workers < 1 or args.batch_chars < 1:
         p.error("--shard_size, --workers and --batch_chars must be at least 1")
     return args
-
 
 def main(argv=None):
     args = parse_args(argv)
@@ -534,7 +508,6 @@ def main(argv=None):
               file=sys.stderr)
     return manifest
 
-
 def build_demo_shards(out_dir, max_tokens=8_000_000):
     """train_gpt2.py's demo corpus: the Python standard library's own source, which every machine with
     Python has, tokenized into one val and one train shard (kept as a cache in out_dir)."""
@@ -563,7 +536,6 @@ def build_demo_shards(out_dir, max_tokens=8_000_000):
         tmp = os.path.join(out_dir, f"{name}.{os.getpid()}.tmp.npy")  # ranks on one host may build at once
         np.save(tmp, arr)
         os.replace(tmp, os.path.join(out_dir, name))
-
 
 if __name__ == "__main__":
     main()
