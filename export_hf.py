@@ -1,0 +1,166 @@
+"""
+export_hf.py: one of our checkpoints -> a folder in the Hugging Face GPT-2 layout, tokenizer included,
+that transformers, lm-eval and llama.cpp's converter read with no network.
+
+    python export_hf.py log/model_19073.pt gpt2_ours/
+    python -c "from transformers import pipeline; print(pipeline('text-generation', 'gpt2_ours')('Hello,'))"
+    lm_eval --model hf --model_args pretrained=gpt2_ours --tasks hellaswag
+    python llama.cpp/convert_hf_to_gguf.py gpt2_ours
+
+What goes into the folder:
+  config.json             GPT2LMHeadModel's settings: our shapes, tanh GELU ("gelu_new"), no dropout
+  model.safetensors       the weights under transformers' names; the four big matrices of each block
+                          transposed, because GPT-2's "Conv1D" stores them (in, out) where nn.Linear
+                          stores (out, in); the padding rows 50257..50303 of the vocabulary dropped
+                          (no token id ever reaches them); lm_head left out: it is wte (tied weights)
+  generation_config.json  <|endoftext|> as the start and end of text
+  vocab.json, merges.txt  GPT-2's byte-level BPE, derived from our assets/gpt2.tiktoken (below)
+  tokenizer_config.json, special_tokens_map.json
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+
+import torch
+
+import tokenizer
+
+FILES = ("config.json", "model.safetensors", "generation_config.json", "vocab.json", "merges.txt",
+         "tokenizer_config.json", "special_tokens_map.json")
+CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+EOT_TEXT = "<|endoftext|>"
+
+# -----------------------------------------------------------------------------
+# The model: our state dict under transformers' names and layout
+
+def hf_config(config):
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "activation_function": "gelu_new",
+            "vocab_size": tokenizer.VOCAB_SIZE, "n_positions": config.block_size, "n_ctx": config.block_size,
+            "n_embd": config.n_embd, "n_layer": config.n_layer, "n_head": config.n_head, "n_inner": None,
+            "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0, "scale_attn_weights": True, "tie_word_embeddings": True, "use_cache": True,
+            "bos_token_id": tokenizer.EOT, "eos_token_id": tokenizer.EOT, "torch_dtype": "float32"}
+
+def hf_weights(model):
+    """{transformers name: tensor}. safetensors stores each tensor once and contiguous, so the tied
+    lm_head (the same tensor as wte) is left out, as save_pretrained does: transformers re-ties it."""
+    if model.config.vocab_size < tokenizer.VOCAB_SIZE:
+        raise SystemExit(f"error: the model has only {model.config.vocab_size} token ids, GPT-2 needs {tokenizer.VOCAB_SIZE}")
+    weights = {}
+    for name, w in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        w = w.detach().float()
+        if name.endswith(CONV1D):
+            w = w.t()
+        if name == "transformer.wte.weight":
+            w = w[:tokenizer.VOCAB_SIZE]  # the padding rows: never a target, never an input
+        weights[name] = w.contiguous()
+    return weights
+
+# -----------------------------------------------------------------------------
+# The tokenizer: GPT-2's vocab.json and merges.txt, rebuilt from the BPE ranks we ship
+#
+# tiktoken stores each token as its bytes and its rank; GPT-2's original files store tokens as text,
+# and the merges as pairs. Two things turn one into the other:
+# 1. Bytes as printable characters. GPT-2 maps each of the 256 byte values to one visible unicode
+#    character (bytes that are printable ASCII or Latin-1 stand for themselves; the others, like space
+#    and control bytes, get the characters from U+0100 on, in order), so that a token is a string.
+# 2. Merges in rank order. Token rank r (from 256 on) was made by merging two tokens of lower rank. To
+#    find which two, run BPE on its bytes allowing only the merges ranked below r: it stops at exactly
+#    the two parts that rank r joins.
+
+def bytes_to_unicode():
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+def split_by_lower_ranks(token, ranks):
+    """The two parts BPE merged into token: BPE on its bytes with only the merges ranked below it."""
+    parts, limit = [bytes([b]) for b in token], ranks[token]
+    while len(parts) > 2:
+        pairs = [(ranks.get(parts[i] + parts[i + 1], limit), i) for i in range(len(parts) - 1)]
+        rank, i = min(pairs)
+        if rank >= limit:
+            break
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+    assert len(parts) == 2, f"token {token!r} is not the merge of two lower-ranked tokens"
+    return parts
+
+def tokenizer_files(block_size):
+    """{file name: text} of the GPT-2 tokenizer in transformers' layout."""
+    ranks = tokenizer.load_ranks()  # sha256-checked
+    as_text = bytes_to_unicode()
+    text = lambda token: "".join(as_text[b] for b in token)  # noqa: E731
+    vocab = {text(token): rank for token, rank in ranks.items()}
+    vocab[EOT_TEXT] = tokenizer.EOT
+    merges = [" ".join(map(text, split_by_lower_ranks(token, ranks)))
+              for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]) if rank >= 256]
+    special = {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT}
+    tokenizer_config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size,
+                        "add_prefix_space": False, "add_bos_token": False, "errors": "replace", **special}
+    return {"vocab.json": json.dumps(vocab, ensure_ascii=False),
+            "merges.txt": "#version: 0.2\n" + "\n".join(merges) + "\n",
+            "tokenizer_config.json": json.dumps(tokenizer_config, indent=2),
+            "special_tokens_map.json": json.dumps(special, indent=2)}
+
+# -----------------------------------------------------------------------------
+# Writing the folder: built under a temporary name, then renamed into place
+
+def check_output_dir(out_dir):
+    """An existing folder is replaced only if it holds nothing but an earlier export's files."""
+    if os.path.isdir(out_dir) and set(os.listdir(out_dir)) - set(FILES):
+        other = sorted(set(os.listdir(out_dir)) - set(FILES))[0]
+        raise SystemExit(f"error: {out_dir} exists and holds other files ({other}, ...): choose another folder")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise SystemExit(f"error: {out_dir} exists and is not a folder")
+
+def export(model, out_dir):
+    """Write the folder; returns how many parameters it holds."""
+    from safetensors.torch import save_file
+    check_output_dir(out_dir)
+    out_dir = os.path.abspath(out_dir)
+    tmp = f"{out_dir}.tmp{os.getpid()}"
+    os.makedirs(tmp)
+    try:
+        weights = hf_weights(model)
+        save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        texts = tokenizer_files(model.config.block_size)
+        texts["config.json"] = json.dumps(hf_config(model.config), indent=2)
+        texts["generation_config.json"] = json.dumps({"bos_token_id": tokenizer.EOT, "eos_token_id": tokenizer.EOT}, indent=2)
+        for name, text in texts.items():
+            with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+                f.write(text)
+        if os.path.isdir(out_dir):  # an earlier export: out of the way first, removed once the new one is in
+            os.replace(out_dir, tmp + ".old")
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp + ".old", ignore_errors=True)
+    return sum(w.numel() for w in weights.values())
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Export a GPT-2 checkpoint of ours to the Hugging Face layout.")
+    p.add_argument("checkpoint", help="one of our checkpoints (log/model_XXXXX.pt); also a Hugging Face-layout "
+                                      "folder or gpt2..gpt2-xl, which it re-exports")
+    p.add_argument("output_dir", help="the folder to write (replaced if it holds only an earlier export)")
+    args = p.parse_args(argv)
+    if not os.path.exists(args.checkpoint) and not args.checkpoint.startswith("gpt2"):
+        raise SystemExit(f"error: checkpoint {args.checkpoint} not found")
+    check_output_dir(args.output_dir)  # before loading anything
+    from train_gpt2 import load_model
+    model = load_model(args.checkpoint)  # checksums verified, one error line if unreadable
+    n = export(model, args.output_dir)
+    print(f"exported {args.checkpoint} ({n / 1e6:.2f}M parameters, {model.config.n_layer} layers) to "
+          f"{args.output_dir}: {', '.join(FILES)}", file=sys.stderr)
+
+if __name__ == "__main__":
+    main()
