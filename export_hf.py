@@ -23,7 +23,6 @@ import os
 import shutil
 import sys
 
-import torch
 
 import tokenizer
 
