@@ -23,7 +23,6 @@ import os
 import shutil
 import sys
 
-
 import tokenizer
 
 FILES = ("config.json", "model.safetensors", "generation_config.json", "vocab.json", "merges.txt",
