@@ -93,6 +93,7 @@ class Ranks:
     launcher: str  # single, torchrun, mpich, openmpi or slurm
     device: str = "cpu"
     lock: object = None  # rank 0's lock on --log_dir (lock_folder), held until the process ends
+    sharded: bool = False  # FSDP2: each rank holds only its part of the weights, gradients and AdamW state
 
     @property
     def master(self):  # rank 0 prints, logs and saves checkpoints; the others stay quiet
@@ -110,7 +111,15 @@ class Ranks:
 
 def check_same_weights(ranks, model):
     """Every rank must hold the same weights at the end; a checksum per rank proves it.
-    (The state dict: full fp32 weights in plain layout, also under IPEX, whose parameters are bf16 halves.)"""
+    (The state dict: full fp32 weights in plain layout, also under IPEX, whose parameters are bf16 halves.)
+    Sharded, the ranks hold different parts: rank 0 gathers them all and prints their checksum."""
+    if ranks.sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        checksum = hashlib.sha256()
+        for k in sorted(full):  # rank 0 gets them all, the others none
+            checksum.update(full[k].float().contiguous().numpy())
+        return ranks.print0(f"parameter sha256 (all {ranks.world_size} rank(s), sharded): {checksum.hexdigest()}")
     weights = model.state_dict()
     checksum = hashlib.sha256()
     for k in sorted(weights):  # one tensor at a time: joining them all first would double the peak memory
@@ -122,6 +131,16 @@ def check_same_weights(ranks, model):
         if len(set(digests)) != 1:
             raise SystemExit(f"error: ranks hold different parameters after training: {digests}")
     ranks.print0(f"parameter sha256 (all {ranks.world_size} rank(s)): {digest}")
+
+
+def report_peak_memory(ranks):
+    """Each rank's peak resident memory (what the OS counts: weights, optimizer state, activations, buffers)."""
+    import resource
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux counts KiB: GiB
+    peaks = [peak] * ranks.world_size
+    if ranks.world_size > 1:
+        torch.distributed.all_gather_object(peaks, peak)
+    ranks.print0(f"peak memory per rank: {', '.join(f'{p:.2f}' for p in peaks)} GiB")
 
 
 def check_same_start(ranks, start_step):
@@ -505,37 +524,102 @@ def check_free_space(folder, needed, what):
                          f"{needed / 2**20:.0f} MiB: free some space or choose another --log_dir")
 
 
-def checkpoint_path(log_dir, step):
-    return os.path.join(log_dir, f"model_{step:05d}.pt")
+def checkpoint_path(log_dir, step, sharded=False):
+    return os.path.join(log_dir, f"model_{step:05d}.{'dcp' if sharded else 'pt'}")
+
+
+def checkpoint_step(path):
+    """model_00500.pt (one file) or model_00500.dcp (a folder, one file per rank: sharded runs) -> 500; else None."""
+    m = re.fullmatch(r"model_(\d+)\.(pt|dcp)", os.path.basename(path))
+    return int(m.group(1)) if m else None
 
 
 def list_checkpoints(log_dir):
-    """Our checkpoints, oldest first, by step number (as text, model_100000.pt would sort before model_99999.pt)."""
-    steps = {os.path.basename(f)[6:-3]: f for f in glob.glob(os.path.join(log_dir, "model_*.pt"))}
-    return [steps[s] for s in sorted((s for s in steps if s.isdigit()), key=int)]
+    """Our checkpoints, oldest first, by step number (as text, model_100000.pt would sort before model_99999.pt).
+    A folder being written is named *.tmp until it is whole, so it is never listed."""
+    found = [f for f in glob.glob(os.path.join(log_dir, "model_*")) if checkpoint_step(f) is not None]
+    return sorted(found, key=checkpoint_step)
 
 
 def prune_checkpoints(log_dir, keep, newer_than=None):
     """Keep the newest `keep` (0: all); or, given newer_than=S, delete those after step S."""
     found = list_checkpoints(log_dir)
     if newer_than is not None:
-        old = [f for f in found if int(os.path.basename(f)[6:-3]) > newer_than]
+        old = [f for f in found if checkpoint_step(f) > newer_than]
     else:
         old = found[:-keep] if keep > 0 else []
     for f in old:
-        os.remove(f)
+        shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)
 
 
 def prepare_log_dir(log_dir, run_args, overwrite, fresh):
     """log.txt is appended to (--overwrite: emptied, and the old checkpoints deleted). A fresh run records
     its arguments in args.json, so that a --resume before its first checkpoint starts the same run."""
     for f in list_checkpoints(log_dir) if overwrite else []:
-        os.remove(f)
+        shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)
     open(os.path.join(log_dir, "log.txt"), "w" if overwrite else "a").close()
     if fresh:
         with open(os.path.join(log_dir, "args.json.tmp"), "w") as f:
             json.dump(run_args, f, indent=1)
         os.replace(os.path.join(log_dir, "args.json.tmp"), os.path.join(log_dir, "args.json"))
+
+
+def shard_model(model, ranks):
+    """FSDP2 (fully sharded data parallel): every parameter is split in world_size pieces along its first
+    dimension, one per rank, and so are its gradient and AdamW's moments. Each block is its own unit:
+    its weights are all-gathered just before its forward (and again for its backward), then freed; its
+    gradients are reduce-scattered, each rank keeping the piece it owns. What stays unsharded in memory
+    is one block's weights at a time, and the activations. The root unit holds the embeddings, whose
+    weight lm_head shares (tied): it stays one parameter, sharded once."""
+    from torch.distributed.fsdp import fully_shard
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    ranks.sharded = True
+
+
+def save_sharded(path, model, optimizer, meta, ranks):
+    """A sharded checkpoint: a folder where each rank writes its own pieces (torch.distributed.checkpoint),
+    rank 0 adds meta.pt (step, config, data position, RNG...). It is written as path.tmp and renamed
+    once every rank has finished, so a folder named model_XXXXX.dcp is always whole."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    tmp = path + ".tmp"
+    if ranks.master and os.path.exists(tmp):  # left by a run killed while saving
+        shutil.rmtree(tmp)
+    torch.distributed.barrier()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)  # returns when all have written
+    if ranks.master:
+        atomic_save(meta, os.path.join(tmp, "meta.pt"))
+        if os.path.exists(path):  # the same step saved again (a resumed run re-saving it): same contents
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    torch.distributed.barrier()
+
+
+def load_sharded(path, model, optimizer=None):
+    """The weights (and AdamW state) of a sharded checkpoint, into a model sharded over any number of ranks,
+    or not sharded at all: each rank reads just the pieces it owns now (DCP reshards on load)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    if optimizer is None:
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        return model.load_state_dict(state["model"])
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+
+
+def load_full_optimizer_state(model, optimizer, state):
+    """A plain checkpoint's AdamW state (as optimizer.state_dict() numbers the parameters) into the
+    optimizer of a sharded model: each rank keeps its pieces. The numbering is configure_optimizer's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    names = [n for decay in (True, False) for n, p in model.named_parameters() if (p.dim() >= 2) == decay]
+    by_name = {"state": {names[i]: s for i, s in state["state"].items()},
+               "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
 
 def tensor_checksums(obj, prefix=""):

@@ -86,7 +86,7 @@ def main(argv=None):
     machine.warm_up_vector_math()  # results independent of thread timing (see machine.py)
 
     # every cheap check before loading a model
-    if args.ckpt_path and not os.path.isfile(args.ckpt_path):
+    if args.ckpt_path and not os.path.exists(args.ckpt_path):
         raise SystemExit(f"error: --ckpt_path {args.ckpt_path} not found")
     for flag in ("num_samples", "max_new_tokens", "top_k", "temperature"):
         if getattr(args, flag) < (1 if flag == "num_samples" else 0):

@@ -286,7 +286,10 @@ class GPT(nn.Module):
     def from_checkpoint(cls, ckpt):
         """The model in one of our checkpoints (see load_checkpoint)."""
         model = cls(GPTConfig(**ckpt["config"]))
-        model.load_state_dict(ckpt["model"])
+        if ckpt["sharded_path"]:
+            machine.load_sharded(ckpt["sharded_path"], model)
+        else:
+            model.load_state_dict(ckpt["model"])
         return model
 
     def configure_optimizer(self, weight_decay, learning_rate, device_type):
@@ -411,16 +414,21 @@ def get_lr(it, warmup_steps, max_steps, max_lr, min_lr):
 # Checkpoints: written to a temporary file and renamed, so a crash never leaves half a file
 
 def load_checkpoint(path):
+    """A checkpoint file; or a sharded run's folder, whose meta.pt has all but the weights and AdamW state
+    (machine.load_sharded reads those, each rank its own pieces)."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        sharded = os.path.isdir(path)
+        ckpt = torch.load(os.path.join(path, "meta.pt") if sharded else path, map_location="cpu", weights_only=True)
+        ckpt["sharded_path"] = path if sharded else None
     except Exception as e:
         raise SystemExit(f"error: cannot load checkpoint {path}: {machine.one_line(e)}")
     machine.verify_checksums({k: v for k, v in ckpt.items() if k != "checksums"}, ckpt.get("checksums", {}), path)
     return ckpt
 
 def load_model(name_or_path):
-    """One of our checkpoints (.pt), or what GPT.from_pretrained reads (gpt2..gpt2-xl, a Hugging Face-layout folder)."""
-    if os.path.isfile(name_or_path):
+    """One of our checkpoints (.pt, or .dcp from a sharded run), or what GPT.from_pretrained reads
+    (gpt2..gpt2-xl, a Hugging Face-layout folder)."""
+    if os.path.isfile(name_or_path) or os.path.isfile(os.path.join(name_or_path, "meta.pt")):
         return GPT.from_checkpoint(load_checkpoint(name_or_path))
     return GPT.from_pretrained(name_or_path)
 
@@ -473,6 +481,8 @@ def build_parser(defaults=True):
       help="process group backend; auto = ccl if oneccl_bindings_for_pytorch imports, else gloo (CPU), nccl, xccl")
     a("--ipex", choices=["auto", "on", "off"], default=d("auto"),
       help="Intel Extension for PyTorch's ipex.optimize on CPU/XPU; auto = when installed")
+    a("--shard", choices=["none", "full"], default=d("none"), help="none: every rank holds the whole training state "
+      "(DDP); full: weights, gradients and AdamW state split across the ranks (FSDP2), for models too big for one")
     a("--dist_timeout", type=float, default=d(300), help="seconds a collective may wait for the other ranks")
     a("--threads", type=int, default=d(0), help="torch threads per rank (0 = physical cores / ranks per node)")
     a("--seed", type=int, default=d(1337))
@@ -509,7 +519,7 @@ def resolve_args(argv, ranks):
         ckpt_file = args.resume if args.resume != "latest" else (list_checkpoints(args.log_dir) or [None])[-1]
         if ckpt_file is None:  # killed before its first checkpoint: a scheduler's requeue starts it again
             ranks.print0(f"--resume: no checkpoint in --log_dir {args.log_dir} yet: starting the run from step 0")
-        elif not os.path.isfile(ckpt_file):
+        elif not os.path.exists(ckpt_file):
             raise SystemExit(f"error: --resume: checkpoint {ckpt_file} not found")
         else:
             ckpt = load_checkpoint(ckpt_file)  # every rank loads the same file
@@ -556,6 +566,8 @@ def check_run(args, ranks):
         raise SystemExit(f"error: --threads {args.threads} must be 0 (automatic) or positive")
     if not args.dist_timeout > 0:
         raise SystemExit(f"error: --dist_timeout {args.dist_timeout} must be a positive number of seconds")
+    if args.shard == "full" and world_size == 1:
+        ranks.print0("--shard full: with one rank there is nothing to split; training as usual")
     train_loader = DataLoader(args.data_dir, "train", args.batch_size, args.seq_len, ranks.rank, world_size, args.seed)
     if args.eval_interval > 0:
         val_files = find_shards(args.data_dir, "val")
@@ -588,8 +600,8 @@ def start_ranks(args, ranks):
 def build_model(args, ranks, ckpt, train_loader):
     """The checkpoint's weights when resuming; else a scratch GPT-2, OpenAI's weights, or one of our checkpoints."""
     torch.manual_seed(args.seed)  # same initial weights on every rank
-    if ckpt is not None:
-        model = GPT.from_checkpoint(ckpt)
+    if ckpt is not None:  # (a sharded checkpoint's weights come with its AdamW state, in prepare_training)
+        model = GPT(GPTConfig(**ckpt["config"])) if ckpt["sharded_path"] else GPT.from_checkpoint(ckpt)
     elif args.init_from == "scratch":
         model = GPT(GPTConfig(block_size=args.block_size, vocab_size=PADDED_VOCAB_SIZE,
                               n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd))
@@ -607,16 +619,24 @@ def build_model(args, ranks, ckpt, train_loader):
 def prepare_training(args, ranks, model, ckpt, ckpt_file, train_loader, ipex):
     """The optimizer, the resumed state, then the wrappers: IPEX, torch.compile, DDP. Returns (model, optimizer, first step)."""
     device_type = ranks.device.split(":")[0]
+    if args.shard == "full" and ranks.world_size > 1:  # before the optimizer, which must hold the pieces
+        machine.shard_model(model, ranks)
+        ranks.print0(f"shard: FSDP2, each rank holds 1/{ranks.world_size} of the weights, gradients and AdamW state")
     optimizer, fused = model.configure_optimizer(args.weight_decay, args.max_lr, device_type)
     ranks.print0(f"optimizer: AdamW, fused={fused}")
     start_step = 0
     if ckpt is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])
+        if ckpt["sharded_path"]:  # any number of ranks, sharded or not: each reads what it holds
+            machine.load_sharded(ckpt["sharded_path"], model, optimizer)
+        elif ranks.sharded:
+            machine.load_full_optimizer_state(model, optimizer, ckpt["optimizer"])
+        else:
+            optimizer.load_state_dict(ckpt["optimizer"])
         train_loader.load_state_dict(ckpt["loader"])
         torch.set_rng_state(ckpt["rng"]["torch"])
         start_step = ckpt["step"]
         ranks.print0(f"resumed from {ckpt_file} at step {start_step}")
-    if ipex is not None:
+    if ipex is not None and not ranks.sharded:
         model, optimizer = machine.apply_ipex(ipex, model, optimizer, args, ranks.print0)
     # torch.compile turns the training forward and backward into fused C++ kernels (bench/bench_train.py
     # measures what that brings). Only training runs compiled: validation, HellaSwag and sampling call the
@@ -628,6 +648,7 @@ def prepare_training(args, ranks, model, ckpt, ckpt_file, train_loader, ipex):
         # every rank must continue from the same checkpoint: DDP copies rank 0's weights to the others
         # when it wraps, but not the optimizer state nor the data position
         machine.check_same_start(ranks, start_step)
+    if ranks.world_size > 1 and not ranks.sharded:
         # DDP averages the gradients across ranks during backward, bucket by bucket, overlapping
         # communication with the rest of the backward pass
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -640,14 +661,24 @@ def evaluate(args, ranks, step, model, autocast, due):
     val_loss = None
     if due(args.eval_interval):  # the same val tokens whatever the batch size or world size
         stats = torch.zeros(2, dtype=torch.float64, device=ranks.device)  # summed loss, token count
+        batches = list(val_batches(args.data_dir, args.seq_len, args.val_tokens, args.batch_size, ranks.rank, ranks.world_size))
+        if ranks.sharded:  # every rank must join every forward's all-gathers: pad with batches that don't count
+            most = torch.tensor(len(batches))
+            torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+            batches += [None] * (int(most) - len(batches))
         with torch.no_grad():
-            for x, y in val_batches(args.data_dir, args.seq_len, args.val_tokens, args.batch_size, ranks.rank, ranks.world_size):
+            for batch in batches:
+                x, y = batch if batch is not None else (torch.zeros(1, args.seq_len, dtype=torch.long),) * 2
                 with autocast:
                     _, loss = model(x.to(ranks.device), y.to(ranks.device))
-                stats += torch.tensor([loss.item() * y.numel(), y.numel()], dtype=torch.float64, device=ranks.device)
+                counted = y.numel() if batch is not None else 0
+                stats += torch.tensor([loss.item() * counted, counted], dtype=torch.float64, device=ranks.device)
         val_loss = (ranks.all_reduce_sum(stats)[0] / stats[1]).item()
         ranks.print0(f"validation loss: {val_loss:.4f}")
         append_log(args.log_dir, ranks, f"{step} val {val_loss:.4f}")
+    if due(args.hellaswag_interval) and ranks.sharded:  # its batches differ by rank: no lock-step all-gathers
+        ranks.print0("warning: no HellaSwag during sharded training: run hellaswag.py -m on a checkpoint")
+        args.hellaswag_interval = 0
     if due(args.hellaswag_interval):
         import hellaswag
         acc = hellaswag.accuracy_during_training(model, args.hellaswag_dir, ranks, args.dtype, args.batch_size)
@@ -655,34 +686,33 @@ def evaluate(args, ranks, step, model, autocast, due):
             args.hellaswag_interval = 0  # no data is no reason to stop training: it is just not measured
         else:
             append_log(args.log_dir, ranks, f"{step} hella {acc:.4f}")
-    if due(args.sample_interval) and (step > 0 or step == args.max_steps) and ranks.master:
+    # (sharded, every rank generates alongside rank 0, to join the all-gathers of every forward)
+    if due(args.sample_interval) and (step > 0 or step == args.max_steps) and (ranks.master or ranks.sharded):
         prompt = torch.tensor([tokenizer.encode("Hello, I'm a language model,")] * 4, device=ranks.device)
         gen = torch.Generator(device=ranks.device).manual_seed(42 + ranks.rank)
         with autocast:
             new = torch.stack(list(model.generate(prompt, 32, top_k=50, generator=gen)), dim=1)
         for i, row in enumerate(torch.cat((prompt, new), dim=1).tolist()):
-            print(f"sample {i}: {tokenizer.decode(row)}", flush=True)
+            ranks.print0(f"sample {i}: {tokenizer.decode(row)}")
     return val_loss
 
 def save_checkpoint(args, ranks, step, model, optimizer, train_loader, val_loss, evaluated=True):
-    """Everything an exact resume needs: weights, optimizer moments, data position, RNG, run arguments.
-    Never a diverged state: non-finite weights or val loss are not saved, so they can't push a good checkpoint out."""
-    if not (all(p.isfinite().all() for p in model.parameters()) and math.isfinite(val_loss or 0.0)):
+    """Everything an exact resume needs: weights, optimizer moments, data position, RNG, run arguments; by
+    rank 0, or by every rank for its own pieces when sharded. Never a diverged state: non-finite weights or
+    val loss are not saved, so they can't push a good checkpoint out. Every rank calls it (they must agree)."""
+    bad = sum(not (p.to_local() if hasattr(p, "to_local") else p).isfinite().all() for p in model.parameters())
+    if ranks.all_reduce_sum(torch.tensor(float(bad), device=ranks.device)) or not math.isfinite(val_loss or 0.0):
         ranks.print0(f"warning: no checkpoint at step {step}: the weights or the val loss are not finite")
         return
-    state = {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "config": asdict(model.config),
-        "step": step,
-        "args": dict(vars(args)),
-        "loader": train_loader.state_dict(),
-        "rng": {"torch": torch.get_rng_state()},
-        "val_loss": val_loss,
-        "evaluated": evaluated,  # False: stopped by a signal before this step's evaluations
-    }
-    state["checksums"] = machine.tensor_checksums(state)  # verified by load_checkpoint
-    machine.atomic_save(state, checkpoint_path(args.log_dir, step))
+    state = {"config": asdict(model.config), "step": step, "args": dict(vars(args)), "loader": train_loader.state_dict(),
+             "rng": {"torch": torch.get_rng_state()}, "val_loss": val_loss,
+             "evaluated": evaluated}  # False: stopped by a signal before this step's evaluations
+    if ranks.sharded:
+        machine.save_sharded(checkpoint_path(args.log_dir, step, sharded=True), model, optimizer, state, ranks)
+    elif ranks.master:
+        state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
+        state["checksums"] = machine.tensor_checksums(state)  # verified by load_checkpoint
+        machine.atomic_save(state, checkpoint_path(args.log_dir, step))
 
 def train_step(args, ranks, step, model, optimizer, train_loader, grad_accum_steps, autocast):
     """One optimizer step over total_batch_size tokens: grad_accum_steps micro-batches on every rank.
@@ -693,9 +723,11 @@ def train_step(args, ranks, step, model, optimizer, train_loader, grad_accum_ste
     for micro_step in range(grad_accum_steps):
         x, y = train_loader.next_batch()
         x, y = x.to(ranks.device), y.to(ranks.device)
-        # DDP all-reduces gradients during backward; only the last micro-step needs that
+        # DDP all-reduces gradients during backward (FSDP reduce-scatters them); only the last micro-step needs that
         sync = micro_step == grad_accum_steps - 1 or ranks.world_size == 1
-        with (nullcontext() if sync else model.no_sync()):
+        if ranks.sharded:
+            getattr(model, "_orig_mod", model).set_requires_gradient_sync(sync)
+        with (nullcontext() if sync or ranks.sharded else model.no_sync()):
             with autocast:
                 _, loss = model(x, y)
             loss = loss / grad_accum_steps  # the gradient of the mean over all micro-batches
@@ -704,6 +736,7 @@ def train_step(args, ranks, step, model, optimizer, train_loader, grad_accum_ste
     ranks.all_reduce_sum(loss_accum)
     loss_accum /= ranks.world_size
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+    norm = norm.full_tensor() if ranks.sharded else norm  # sharded: each rank's part of the global norm
     lr = get_lr(step, args.warmup_steps, args.max_steps, args.max_lr, args.min_lr)
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -719,9 +752,9 @@ def train_step(args, ranks, step, model, optimizer, train_loader, grad_accum_ste
 def stop_early(args, ranks, signum, step, model, optimizer, train_loader, save):
     """After a SIGTERM or SIGINT: save where the run is (its evaluations run when it resumes). Returns the exit code."""
     saved = ""
-    if ranks.master and save:
+    if save:
         save_checkpoint(args, ranks, step, model, optimizer, train_loader, None, evaluated=False)
-        saved = f"saved {checkpoint_path(args.log_dir, step)}; continue with --resume; "
+        saved = f"saved {checkpoint_path(args.log_dir, step, ranks.sharded)}; continue with --resume; " if ranks.master else ""
     if ranks.world_size > 1:
         torch.distributed.barrier()  # nobody leaves before the checkpoint is written: launchers kill the rest
     print(f"rank {ranks.rank}: stopped by {signal.Signals(signum).name} before step {step}: {saved}"
@@ -783,7 +816,7 @@ def main(argv=None):
         periodic = step > start_step or not evaluated
         due = lambda interval: periodic and interval > 0 and (step % interval == 0 or last_step)  # noqa: E731
         val_loss = evaluate(args, ranks, step, raw_model, autocast, due)
-        if due(args.checkpoint_interval) and step > 0 and ranks.master and not skipped:
+        if due(args.checkpoint_interval) and step > 0 and not skipped:
             save_checkpoint(args, ranks, step, raw_model, optimizer, train_loader, val_loss)
         if last_step:
             if ranks.master:
@@ -806,6 +839,7 @@ def main(argv=None):
             break
 
     machine.check_same_weights(ranks, raw_model)  # DDP's promise: every rank ends with the same weights
+    machine.report_peak_memory(ranks)
     if ranks.world_size > 1:
         del model  # DDP's reducer holds the process group: release it first (see machine.leave_process_group)
         machine.leave_process_group()
