@@ -12,6 +12,7 @@ Tools a test needs (mpirun, ip) are skipped where missing, except under CI=true,
 import contextlib
 import hashlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -22,6 +23,8 @@ import time
 import pytest
 import torch
 
+import machine
+import train_gpt2
 from conftest import REPO, make_shards, read_log, run_train, tiny_run_args
 
 from machine import choose_backend, cpu_list, detect_launch, physical_cores, ranks_sharing_cpus
@@ -85,13 +88,23 @@ def weights_digest(state):
 def printed_digest(stdout, world_size):
     lines = [l for l in stdout.splitlines() if l.startswith("parameter sha256")]
     assert len(lines) == 1, stdout  # printed once: rank 0 speaks for all ranks
-    assert lines[0].startswith(f"parameter sha256 (all {world_size} rank(s)): "), lines[0]
+    assert lines[0].startswith((f"parameter sha256 (all {world_size} rank(s)): ",
+                                f"parameter sha256 (all {world_size} rank(s), sharded): ")), lines[0]
     return lines[0].split()[-1]
 
 
 def checkpoint_val(log_dir, step):
-    """The full-precision val loss stored in a checkpoint (log.txt rounds it to 4 decimals)."""
-    return torch.load(os.path.join(log_dir, f"model_{step:05d}.pt"), weights_only=True)["val_loss"]
+    """The full-precision val loss stored in a checkpoint (log.txt rounds it to 4 decimals); a sharded
+    run's checkpoint is a folder (model_XXXXX.dcp)."""
+    path = next(f for f in train_gpt2.list_checkpoints(str(log_dir)) if machine.checkpoint_step(f) == step)
+    return train_gpt2.load_checkpoint(path)["val_loss"]
+
+
+def final_weights_diff(log_a, log_b):
+    """The largest difference between the final weights of two runs, read from their last checkpoints
+    (one file, or a sharded folder: load_model reads either)."""
+    a, b = (train_gpt2.load_model(train_gpt2.list_checkpoints(str(d))[-1]).state_dict() for d in (log_a, log_b))
+    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def assert_same_run(ref_dir, dist_dir, tol=TOL):
@@ -246,19 +259,21 @@ def test_torchrun_two_ranks_equal_one_process(single, two_ranks):
     assert proc.stdout.count("validation loss") == 3 and proc.stdout.count("step ") == 6
 
 
-def test_mpirun_three_ranks_equal_one_process(data, single, tmp_path):
+@pytest.mark.parametrize("shard", ["none", "full"])
+def test_mpirun_three_ranks_equal_one_process(data, single, tmp_path, shard):
     mpirun = shutil.which("mpirun.mpich") or shutil.which("mpirun")
     need(mpirun, "MPICH's mpirun")
     log_dir = tmp_path / "log"
     # --threads 0: the automatic choice, one physical core (of 2 here) per rank at most
-    proc = run_launched(tiny_run_args(data, log_dir, *EQUAL, "--threads", "0"),
+    proc = run_launched(tiny_run_args(data, log_dir, *EQUAL, "--threads", "0", "--shard", shard),
                         (mpirun, "-n", "3", "-ppn", "1", sys.executable), clean_env(MASTER_PORT=free_port()))
     assert "distributed: mpich, world size 3, backend gloo, master 127.0.0.1:" in proc.stdout
     assert f"threads: 1 torch threads per rank ({physical_cores()} physical cores / 3 rank(s))" in proc.stdout
     assert "3 rank(s) x 2 accumulation steps" in proc.stdout
     worst = assert_same_run(single[0], log_dir)
-    print(f"mpirun x3 vs 1 process: largest train loss difference {worst:.1e}")
+    print(f"mpirun x3 (--shard {shard}) vs 1 process: largest train loss difference {worst:.1e}")
     printed_digest(proc.stdout, 3)
+    assert final_weights_diff(single[0], log_dir) <= TOL
 
 
 def test_resume_two_ranks_equals_uninterrupted_with_ccl_backend(two_ranks, tmp_path):
@@ -398,7 +413,8 @@ def can_create_namespaces():
     return ok
 
 
-def test_three_hosts_over_network_namespaces_equal_one_process(data, single, tmp_path):
+@pytest.mark.parametrize("shard", ["none", "full"])
+def test_three_hosts_over_network_namespaces_equal_one_process(data, single, tmp_path, shard):
     """mpirun -n 3 -ppn 1 over three hosts, as MPICH's hydra would start it: each rank in its own
     network namespace, with its own address, seeing one local rank; MASTER_ADDR is rank 0's address
     and gloo talks over the namespaces' bridge (GLOO_SOCKET_IFNAME)."""
@@ -411,7 +427,7 @@ def test_three_hosts_over_network_namespaces_equal_one_process(data, single, tmp
             env = clean_env(PMI_RANK=rank, PMI_SIZE=3, MPI_LOCALRANKID=0, MPI_LOCALNRANKS=1,
                             MASTER_ADDR=addresses[0], MASTER_PORT=29500, GLOO_SOCKET_IFNAME="eth0")
             cmd = ["ip", "netns", "exec", ns, sys.executable, os.path.join(REPO, "train_gpt2.py"),
-                   *map(str, tiny_run_args(data, log_dir, *EQUAL, "--dist_timeout", "120"))]
+                   *map(str, tiny_run_args(data, log_dir, *EQUAL, "--dist_timeout", "120", "--shard", shard))]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                           env=env, cwd=REPO))
         try:
@@ -428,5 +444,73 @@ def test_three_hosts_over_network_namespaces_equal_one_process(data, single, tmp
     assert "1 rank(s) on this node" in out0
     assert all(out.strip() == "" for out, _ in outputs[1:])  # ranks other than 0 are quiet
     worst = assert_same_run(single[0], log_dir)
-    print(f"3 namespace hosts vs 1 process: largest train loss difference {worst:.1e}")
+    print(f"3 namespace hosts (--shard {shard}) vs 1 process: largest train loss difference {worst:.1e}")
+    assert final_weights_diff(single[0], log_dir) <= TOL
     printed_digest(out0, 3)
+
+
+# -----------------------------------------------------------------------------
+# Sharded data parallel (--shard full, FSDP2): the same training, each rank holding a part of the state
+
+
+@pytest.fixture(scope="module")
+def two_ranks_sharded(data, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("sharded") / "log"
+    proc = run_launched(tiny_run_args(data, log_dir, *EQUAL, "--shard", "full"), TORCHRUN, clean_env())
+    return log_dir, proc
+
+
+def test_torchrun_two_ranks_sharded_equals_ddp_and_one_process(single, two_ranks, two_ranks_sharded):
+    log_dir, proc = two_ranks_sharded
+    assert "shard: FSDP2, each rank holds 1/2 of the weights, gradients and AdamW state" in proc.stdout
+    assert sorted(os.listdir(log_dir)) == ["args.json", "lock", "log.txt", "model_00003.dcp", "model_00006.dcp"]
+    worst = assert_same_run(single[0], log_dir)
+    print(f"torchrun x2 sharded vs 1 process: largest train loss difference {worst:.1e}")
+    assert final_weights_diff(single[0], log_dir) <= TOL and final_weights_diff(two_ranks[0], log_dir) <= TOL
+    printed_digest(proc.stdout, 2)
+    assert re.search(r"peak memory per rank: [\d.]+, [\d.]+ GiB", proc.stdout)
+
+
+def stopped_after_step_3(run_dir, tmp_path):
+    """A copy of a finished run's folder as a run killed after its step-3 checkpoint leaves it, plus the
+    folder a sharded save leaves when killed half-way (model_00005.dcp.tmp), which must never be used."""
+    copy = tmp_path / "log"
+    shutil.copytree(run_dir, copy)
+    for f in train_gpt2.list_checkpoints(str(copy))[1:]:
+        shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)
+    os.makedirs(copy / "model_00005.dcp.tmp")
+    (copy / "model_00005.dcp.tmp" / "__0_0.distcp").write_bytes(b"half")
+    return copy
+
+
+def test_sharded_resume_on_two_ranks_and_on_one(single, two_ranks_sharded, tmp_path):
+    log_dir = stopped_after_step_3(two_ranks_sharded[0], tmp_path / "two")
+    proc = run_launched(["--resume", "--log_dir", log_dir], TORCHRUN, clean_env())
+    assert "resumed from" in proc.stdout and "model_00003.dcp at step 3" in proc.stdout
+    assert read_log(log_dir, "train") == read_log(two_ranks_sharded[0], "train")  # same ranks: bitwise
+    assert printed_digest(proc.stdout, 2) == printed_digest(two_ranks_sharded[1].stdout, 2)
+    log_dir = stopped_after_step_3(two_ranks_sharded[0], tmp_path / "one")
+    proc = run_train(["--resume", "--log_dir", log_dir], env=clean_env(), timeout=LIMIT)
+    assert "--shard full: with one rank there is nothing to split" in proc.stdout
+    assert_same_run(single[0], log_dir)
+    assert final_weights_diff(single[0], log_dir) <= TOL
+
+
+def test_ddp_checkpoint_resumed_sharded(single, two_ranks, tmp_path):
+    log_dir = stopped_after_step_3(two_ranks[0], tmp_path)
+    proc = run_launched(["--resume", "--log_dir", log_dir, "--shard", "full"], TORCHRUN, clean_env())
+    assert "model_00003.pt at step 3" in proc.stdout and "shard: FSDP2" in proc.stdout
+    assert_same_run(single[0], log_dir)
+    assert os.path.isdir(log_dir / "model_00006.dcp")  # from here on, sharded checkpoints
+    assert final_weights_diff(two_ranks[0], log_dir) <= TOL
+
+
+def test_shard_errors_are_one_line(data, two_ranks_sharded, tmp_path):
+    proc = run_train(tiny_run_args(data, tmp_path / "log", "--shard", "half"), check=False)
+    assert proc.returncode == 2 and "error: argument --shard: invalid choice: 'half'" in proc.stderr.splitlines()[-1]
+    half = tmp_path / "model_00009.dcp"  # a sharded folder without its meta.pt: not a checkpoint
+    shutil.copytree(two_ranks_sharded[0] / "model_00003.dcp", half)
+    os.remove(half / "meta.pt")
+    proc = subprocess.run([sys.executable, "sample.py", "--ckpt_path", str(half)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("error:"), proc.stderr
+    assert "Traceback" not in proc.stderr
