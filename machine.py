@@ -564,17 +564,20 @@ def prepare_log_dir(log_dir, run_args, overwrite, fresh):
         os.replace(os.path.join(log_dir, "args.json.tmp"), os.path.join(log_dir, "args.json"))
 
 
-def shard_model(model, ranks):
+def shard_model(model, ranks, bf16):
     """FSDP2 (fully sharded data parallel): every parameter is split in world_size pieces along its first
     dimension, one per rank, and so are its gradient and AdamW's moments. Each block is its own unit:
     its weights are all-gathered just before its forward (and again for its backward), then freed; its
     gradients are reduce-scattered, each rank keeping the piece it owns. What stays unsharded in memory
     is one block's weights at a time, and the activations. The root unit holds the embeddings, whose
-    weight lm_head shares (tied): it stays one parameter, sharded once."""
-    from torch.distributed.fsdp import fully_shard
+    weight lm_head shares (tied): it stays one parameter, sharded once.
+    bf16: the weights are all-gathered in bf16 (half the traffic), and used as such, so autocast keeps no
+    bf16 copy of every weight for backward; gradients are reduced in fp32 and AdamW updates fp32 pieces."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     for block in model.transformer.h:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     ranks.sharded = True
 
 

@@ -144,7 +144,7 @@ def chunked_loss(x, weight, targets, dtype, grads):
     w = weight.to(dtype)  # one cast of the (tied) weight per call, not one per chunk
     loss = torch.zeros((), dtype=torch.float32, device=x.device)
     grad_x = torch.empty_like(x) if grads else None
-    grad_w = torch.zeros_like(weight) if grads else None
+    grad_w = torch.zeros_like(weight, dtype=torch.float32) if grads else None  # summed over chunks in fp32
     for i in range(0, N, LOSS_CHUNK):
         xc, yc = x[i:i + LOSS_CHUNK].to(dtype), targets[i:i + LOSS_CHUNK, None]
         logits = (xc @ w.t()).float()
@@ -620,7 +620,7 @@ def prepare_training(args, ranks, model, ckpt, ckpt_file, train_loader, ipex):
     """The optimizer, the resumed state, then the wrappers: IPEX, torch.compile, DDP. Returns (model, optimizer, first step)."""
     device_type = ranks.device.split(":")[0]
     if args.shard == "full" and ranks.world_size > 1:  # before the optimizer, which must hold the pieces
-        machine.shard_model(model, ranks)
+        machine.shard_model(model, ranks, bf16=args.dtype == "bf16")
         ranks.print0(f"shard: FSDP2, each rank holds 1/{ranks.world_size} of the weights, gradients and AdamW state")
     optimizer, fused = model.configure_optimizer(args.weight_decay, args.max_lr, device_type)
     ranks.print0(f"optimizer: AdamW, fused={fused}")

@@ -27,8 +27,8 @@ def run(mode, args, data_dir, log_dir):
     n_layer, n_head, n_embd = SHAPES[args.model]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
            os.path.join(REPO, "train_gpt2.py"), "--data_dir", data_dir, "--log_dir", log_dir,
-           "--n_layer", n_layer, "--n_head", n_head, "--n_embd", n_embd, "--batch_size", 1, "--seq_len", 1024,
-           "--total_batch_size", 1024 * args.ranks, "--max_steps", args.steps, "--warmup_steps", 1,
+           "--n_layer", n_layer, "--n_head", n_head, "--n_embd", n_embd, "--batch_size", 1, "--seq_len", args.seq_len,
+           "--total_batch_size", args.seq_len * args.ranks, "--max_steps", args.steps, "--warmup_steps", 1,
            "--eval_interval", 0, "--sample_interval", 0, "--hellaswag_interval", 0, "--checkpoint_interval", 0,
            "--no-compile", "--dtype", args.dtype, "--shard", mode]
     proc = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, cwd=REPO)
@@ -46,14 +46,15 @@ def main():
     p.add_argument("--modes", default="none,full", help="comma-separated --shard values, run one after the other")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--seq_len", type=int, default=1024)
     args = p.parse_args()
     n_layer, n_head, n_embd = SHAPES[args.model]
     n_params = 12 * n_layer * n_embd**2 + 50304 * n_embd + 1024 * n_embd  # blocks, embeddings (lm_head tied)
-    print(f"GPT-2 {args.model} shape: {n_params / 1e6:.0f}M parameters, {args.ranks} ranks, B=1, T=1024, {args.dtype}; "
+    print(f"GPT-2 {args.model} shape: {n_params / 1e6:.0f}M parameters, {args.ranks} ranks, B=1, T={args.seq_len}, {args.dtype}; "
           f"training state (weights, gradients, AdamW) {16 * n_params / 2**30:.1f} GiB in all")
     with tempfile.TemporaryDirectory() as tmp:
         rng = np.random.default_rng(0)
-        for name, n in (("bench_val_000000.npy", 4096), ("bench_train_000001.npy", 1025 * args.ranks * (args.steps + 2))):
+        for name, n in (("bench_val_000000.npy", 4096), ("bench_train_000001.npy", (args.seq_len + 1) * args.ranks * (args.steps + 2))):
             np.save(os.path.join(tmp, name), rng.integers(0, 50257, n, dtype=np.uint16))
         print(f"{'--shard':>8} | {'peak RSS per rank (GiB)':>26} | {'max':>6} | {'tokens/s':>8}")
         for mode in args.modes.split(","):
