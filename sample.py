@@ -6,7 +6,7 @@ Generate text with a GPT-2: one of ours (a train_gpt2.py checkpoint) or OpenAI's
     python sample.py --init_from gpt2 --top_k 1            # greedy: always the most likely token
     python sample.py --init_from ./my_gpt2_dir             # config.json + model.safetensors
 
-Each sample is printed token by token as it is generated. Generation uses GPT.generate's KV
+Each sample is printed token by token as it is generated. Generation uses a KV
 cache: the prompt goes through the model once, and after that each step feeds only the one new
 token, reusing the keys and values of everything before it. Without the cache, step t would run
 all prompt + t tokens through the model again, and the cost of a sample would grow with the
@@ -20,10 +20,75 @@ import time
 from contextlib import nullcontext
 
 import torch
+from torch.nn import functional as F
 
 import machine
 import tokenizer
 
+
+# -----------------------------------------------------------------------------
+# Generation with a KV cache. The model's attention takes the cache (train_gpt2.py) and this file
+# drives it: the prompt goes through the model once, then each step feeds only the new token.
+
+class KVCache:
+    """Keys and values of the tokens seen so far, so generation feeds one new token per forward."""
+
+    def __init__(self, n_layer, max_len):
+        self.k, self.v, self.max_len = [None] * n_layer, [None] * n_layer, max_len
+        self.pos = 0  # how many positions are filled
+
+    def update(self, layer, k, v):
+        if self.k[layer] is None:  # allocate on first use, in the dtype autocast gave us
+            B, nh, _, hs = k.shape
+            self.k[layer] = k.new_zeros(B, nh, self.max_len, hs)
+            self.v[layer] = v.new_zeros(B, nh, self.max_len, hs)
+        T = k.size(2)
+        self.k[layer][:, :, self.pos:self.pos + T] = k
+        self.v[layer][:, :, self.pos:self.pos + T] = v
+        return self.k[layer][:, :, :self.pos + T], self.v[layer][:, :, :self.pos + T]
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+    """Yield (B,) tensors of sampled token ids, one per step, continuing idx (B, T) with a GPT of train_gpt2.py.
+
+    The prompt is run once to fill a KV cache, then each step feeds only the new token.
+    Once the context is full there is nothing left to cache: every further step recomputes
+    the last block_size tokens, so the output always equals a plain recompute."""
+    block_size = model.config.block_size
+    kv_cache = KVCache(model.config.n_layer, block_size)
+    logits, _ = model(idx[:, -block_size:], kv_cache=kv_cache)
+    for _ in range(max_new_tokens):
+        logits = logits[:, -1, :tokenizer.VOCAB_SIZE].float()  # padded vocab ids are never sampled
+        if temperature == 0 or top_k == 1:
+            next_id = logits.argmax(dim=-1, keepdim=True)
+        else:
+            probs = F.softmax(logits / temperature, dim=-1)
+            if top_k is not None:
+                probs, top_ids = torch.topk(probs, min(top_k, probs.size(-1)), dim=-1)
+                next_id = torch.gather(top_ids, -1, torch.multinomial(probs, 1, generator=generator))
+            else:
+                next_id = torch.multinomial(probs, 1, generator=generator)
+        idx = torch.cat((idx, next_id), dim=1)
+        yield next_id.squeeze(1)
+        if kv_cache.pos < block_size:
+            logits, _ = model(next_id, kv_cache=kv_cache)
+        else:
+            logits, _ = model(idx[:, -block_size:])
+
+
+def print_samples(model, ranks, autocast):
+    """train_gpt2.py's look at what the model has learned: four continuations of one prompt."""
+    prompt = torch.tensor([tokenizer.encode("Hello, I'm a language model,")] * 4, device=ranks.device)
+    gen = torch.Generator(device=ranks.device).manual_seed(42 + ranks.rank)
+    with autocast:
+        new = torch.stack(list(generate(model, prompt, 32, top_k=50, generator=gen)), dim=1)
+    for i, row in enumerate(torch.cat((prompt, new), dim=1).tolist()):
+        ranks.print0(f"sample {i}: {tokenizer.decode(row)}")
+
+
+# -----------------------------------------------------------------------------
+# The command line
 
 def load_model(ckpt_path=None, init_from=None):
     """One of our checkpoints (log/model_XXXXX.pt), or GPT.from_pretrained(gpt2... | folder)."""
@@ -60,7 +125,7 @@ def stream_sample(model, ids, max_new_tokens, temperature=1.0, top_k=None, gener
     new = []
     idx = torch.tensor([ids], dtype=torch.long, device=device)
     with autocast:
-        for next_id in model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator):
+        for next_id in generate(model, idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator):
             token = int(next_id[0])
             new.append(token)
             out.write(utf8.decode(enc.decode_single_token_bytes(token)))

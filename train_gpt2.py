@@ -1,15 +1,13 @@
 """
 GPT-2 and its trainer, in one file, for CPUs first (and GPUs too).
 
-    python train_gpt2.py                              # FineWeb-Edu shards present: GPT-2 (124M); none: a 5-minute demo
-    torchrun --nproc_per_node=2 train_gpt2.py         # data parallel on one machine
+    python train_gpt2.py                              # FineWeb-Edu shards present: GPT-2 (124M); none: a demo
+    torchrun --nproc_per_node=2 train_gpt2.py         # data parallel on one machine (--shard full: FSDP2)
     mpirun -n 3 -ppn 1 python train_gpt2.py           # data parallel on three nodes (see README)
 
-Read it top to bottom: the model, the data loader, the learning rate schedule, checkpoints,
-the stages of a run, then main(), which tells the training story by calling them. How the
-processes run on the machine (launcher variables, CPU threads, Intel's libraries, memory
-and compile settings) is in machine.py. Importing this file starts nothing; the other
-scripts import GPT from it.
+Read it top to bottom: the model, the data loader, the learning rate schedule, checkpoints, the stages
+of a run, then main(), the training story. How the processes live on the machine (launchers, threads,
+Intel's libraries, memory, signals, safe files) is in machine.py; generation is in sample.py.
 """
 import argparse
 import glob
@@ -28,7 +26,6 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 import machine
-import tokenizer
 from machine import checkpoint_path, list_checkpoints
 
 # -----------------------------------------------------------------------------
@@ -42,23 +39,6 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
 
-class KVCache:
-    """Keys and values of the tokens seen so far, so generation feeds one new token per forward."""
-
-    def __init__(self, n_layer, max_len):
-        self.k, self.v, self.max_len = [None] * n_layer, [None] * n_layer, max_len
-        self.pos = 0  # how many positions are filled
-
-    def update(self, layer, k, v):
-        if self.k[layer] is None:  # allocate on first use, in the dtype autocast gave us
-            B, nh, _, hs = k.shape
-            self.k[layer] = k.new_zeros(B, nh, self.max_len, hs)
-            self.v[layer] = v.new_zeros(B, nh, self.max_len, hs)
-        T = k.size(2)
-        self.k[layer][:, :, self.pos:self.pos + T] = k
-        self.v[layer][:, :, self.pos:self.pos + T] = v
-        return self.k[layer][:, :, :self.pos + T], self.v[layer][:, :, :self.pos + T]
-
 class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
@@ -71,6 +51,7 @@ class CausalSelfAttention(nn.Module):
         self.n_embd = config.n_embd
 
     def forward(self, x, kv_cache=None, layer=0):
+        """kv_cache: generation's memory of the keys and values seen so far (sample.py's KVCache)."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         # (B, T, C) -> (B, n_head, T, head_size): heads become a batch dimension
@@ -220,34 +201,6 @@ class GPT(nn.Module):
             return self.lm_head(x), None
         # training and validation need only the loss: the logits are never all materialized (see below)
         return None, lm_head_loss(x, self.lm_head.weight, targets)
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
-        """Yield (B,) tensors of sampled token ids, one per step, continuing idx (B, T).
-
-        The prompt is run once to fill a KV cache, then each step feeds only the new token.
-        Once the context is full there is nothing left to cache: every further step recomputes
-        the last block_size tokens, so the output always equals a plain recompute."""
-        block_size = self.config.block_size
-        kv_cache = KVCache(self.config.n_layer, block_size)
-        logits, _ = self(idx[:, -block_size:], kv_cache=kv_cache)
-        for _ in range(max_new_tokens):
-            logits = logits[:, -1, :tokenizer.VOCAB_SIZE].float()  # padded vocab ids are never sampled
-            if temperature == 0 or top_k == 1:
-                next_id = logits.argmax(dim=-1, keepdim=True)
-            else:
-                probs = F.softmax(logits / temperature, dim=-1)
-                if top_k is not None:
-                    probs, top_ids = torch.topk(probs, min(top_k, probs.size(-1)), dim=-1)
-                    next_id = torch.gather(top_ids, -1, torch.multinomial(probs, 1, generator=generator))
-                else:
-                    next_id = torch.multinomial(probs, 1, generator=generator)
-            idx = torch.cat((idx, next_id), dim=1)
-            yield next_id.squeeze(1)
-            if kv_cache.pos < block_size:
-                logits, _ = self(next_id, kv_cache=kv_cache)
-            else:
-                logits, _ = self(idx[:, -block_size:])
 
     @classmethod
     def from_pretrained(cls, name_or_path):
@@ -638,15 +591,11 @@ def prepare_training(args, ranks, model, ckpt, ckpt_file, train_loader, ipex):
         ranks.print0(f"resumed from {ckpt_file} at step {start_step}")
     if ipex is not None and not ranks.sharded:
         model, optimizer = machine.apply_ipex(ipex, model, optimizer, args, ranks.print0)
-    # torch.compile turns the training forward and backward into fused C++ kernels (bench/bench_train.py
-    # measures what that brings). Only training runs compiled: validation, HellaSwag and sampling call the
-    # raw model, the same weights run eagerly, because their shapes change (a shorter last batch, a growing
-    # KV cache) and every new shape would mean another compilation.
+    # torch.compile fuses the training forward and backward into C++ kernels (bench/bench_train.py measures it).
+    # Evaluation and sampling run the raw model eagerly: their shapes change, and each shape would recompile.
     if args.compile:
         model = machine.compile_if_possible(model, args, ipex, device_type, ranks.print0)
-    if ranks.world_size > 1:
-        # every rank must continue from the same checkpoint: DDP copies rank 0's weights to the others
-        # when it wraps, but not the optimizer state nor the data position
+    if ranks.world_size > 1:  # the same checkpoint on every rank: DDP copies rank 0's weights, but nothing else
         machine.check_same_start(ranks, start_step)
     if ranks.world_size > 1 and not ranks.sharded:
         # DDP averages the gradients across ranks during backward, bucket by bucket, overlapping
@@ -688,12 +637,8 @@ def evaluate(args, ranks, step, model, autocast, due):
             append_log(args.log_dir, ranks, f"{step} hella {acc:.4f}")
     # (sharded, every rank generates alongside rank 0, to join the all-gathers of every forward)
     if due(args.sample_interval) and (step > 0 or step == args.max_steps) and (ranks.master or ranks.sharded):
-        prompt = torch.tensor([tokenizer.encode("Hello, I'm a language model,")] * 4, device=ranks.device)
-        gen = torch.Generator(device=ranks.device).manual_seed(42 + ranks.rank)
-        with autocast:
-            new = torch.stack(list(model.generate(prompt, 32, top_k=50, generator=gen)), dim=1)
-        for i, row in enumerate(torch.cat((prompt, new), dim=1).tolist()):
-            ranks.print0(f"sample {i}: {tokenizer.decode(row)}")
+        import sample
+        sample.print_samples(model, ranks, autocast)
     return val_loss
 
 def save_checkpoint(args, ranks, step, model, optimizer, train_loader, val_loss, evaluated=True):

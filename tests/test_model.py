@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+import sample
 import train_gpt2
 from train_gpt2 import GPT, GPTConfig
 
@@ -158,14 +159,14 @@ def test_kv_cache_generation_equals_recompute():
     model = GPT(SMALL).eval()
     prompt = torch.randint(0, 50257, (2, 5))
     # runs past block_size (64) to cover the recompute fallback too
-    cached = torch.stack(list(model.generate(prompt, 70, top_k=1)), dim=1)
+    cached = torch.stack(list(sample.generate(model, prompt, 70, top_k=1)), dim=1)
     idx = prompt
     with torch.no_grad():
         for _ in range(70):
             logits, _ = model(idx[:, -SMALL.block_size:])
             idx = torch.cat((idx, logits[:, -1, :50257].argmax(-1, keepdim=True)), dim=1)
     assert torch.equal(cached, idx[:, 5:])
-    sampled = [torch.stack(list(model.generate(prompt, 20, top_k=50, generator=torch.Generator().manual_seed(3))), 1)
+    sampled = [torch.stack(list(sample.generate(model, prompt, 20, top_k=50, generator=torch.Generator().manual_seed(3))), 1)
                for _ in range(2)]
     assert torch.equal(sampled[0], sampled[1])
     assert int(sampled[0].max()) < 50257
