@@ -239,12 +239,18 @@ def test_checkpoints_without_checksums_still_load(data, tmp_path):
 
 # ----------------------------------------------------------------------------- data
 
-def test_token_id_beyond_the_vocabulary_is_refused_before_the_model(tmp_path):
+def shards_with_token(tmp_path, shard, position, token):
+    """Tiny shards with one token replaced; returns (data folder, that shard's path)."""
     data = make_shards(tmp_path / "data")
-    bad = os.path.join(data, "tiny_train_000002.npy")
-    tokens = np.load(bad)
-    tokens[1234] = 60_000
-    np.save(bad, tokens)
+    path = os.path.join(data, shard)
+    tokens = np.load(path)
+    tokens[position] = token
+    np.save(path, tokens)
+    return data, path
+
+
+def test_token_id_beyond_the_vocabulary_is_refused_before_the_model(tmp_path):
+    data, bad = shards_with_token(tmp_path, "tiny_train_000002.npy", 1234, 60_000)
     proc = run_train(tiny_run_args(data, tmp_path / "log"), check=False, env={"XDG_CACHE_HOME": str(tmp_path / "c")})
     assert proc.returncode == 1 and "model:" not in proc.stdout  # refused before the model was built
     assert proc.stderr.strip().splitlines()[-1] == \
@@ -252,11 +258,7 @@ def test_token_id_beyond_the_vocabulary_is_refused_before_the_model(tmp_path):
 
 
 def test_padding_ids_train_with_a_warning(tmp_path):
-    data = make_shards(tmp_path / "data")
-    shard = os.path.join(data, "tiny_train_000001.npy")
-    tokens = np.load(shard)
-    tokens[10] = 50_300
-    np.save(shard, tokens)
+    data, shard = shards_with_token(tmp_path, "tiny_train_000001.npy", 10, 50_300)
     proc = run_train(tiny_run_args(data, tmp_path / "log", "--max_steps", "2"), env={"XDG_CACHE_HOME": str(tmp_path / "c")})
     assert f"warning: shard {shard} holds token id 50300" in proc.stdout
 
