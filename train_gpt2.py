@@ -597,9 +597,8 @@ def prepare_training(args, ranks, model, ckpt, ckpt_file, train_loader, ipex):
         model = machine.compile_if_possible(model, args, ipex, device_type, ranks.print0)
     if ranks.world_size > 1:  # the same checkpoint on every rank: DDP copies rank 0's weights, but nothing else
         machine.check_same_start(ranks, start_step)
-    if ranks.world_size > 1 and not ranks.sharded:
-        # DDP averages the gradients across ranks during backward, bucket by bucket, overlapping
-        # communication with the rest of the backward pass
+    if ranks.world_size > 1 and not ranks.sharded:  # DDP averages the gradients during backward, bucket
+        # by bucket, overlapping communication with the rest of the backward pass
         from torch.nn.parallel import DistributedDataParallel as DDP
         model = DDP(model, device_ids=[ranks.local_rank] if device_type == "cuda" else None)
     return model, optimizer, start_step
@@ -646,8 +645,8 @@ def save_checkpoint(args, ranks, step, model, optimizer, train_loader, val_loss,
     rank 0, or by every rank for its own pieces when sharded. Never a diverged state: non-finite weights or
     val loss are not saved, so they can't push a good checkpoint out. Every rank calls it (they must agree)."""
     bad = sum(not (p.to_local() if hasattr(p, "to_local") else p).isfinite().all() for p in model.parameters())
-    if ranks.all_reduce_sum(torch.tensor(float(bad), device=ranks.device)) or not math.isfinite(val_loss or 0.0):
-        ranks.print0(f"warning: no checkpoint at step {step}: the weights or the val loss are not finite")
+    if ranks.all_reduce_sum(torch.tensor(float(bad), device=ranks.device)) or not (val_loss or 0.0) < DIVERGED_LOSS:
+        ranks.print0(f"warning: no checkpoint at step {step}: the weights are not finite, or the val loss is not below {DIVERGED_LOSS:.1f}")
         return
     state = {"config": asdict(model.config), "step": step, "args": dict(vars(args)), "loader": train_loader.state_dict(),
              "rng": {"torch": torch.get_rng_state()}, "val_loss": val_loss,
@@ -685,14 +684,14 @@ def train_step(args, ranks, step, model, optimizer, train_loader, grad_accum_ste
     lr = get_lr(step, args.warmup_steps, args.max_steps, args.max_lr, args.min_lr)
     for group in optimizer.param_groups:
         group["lr"] = lr
-    # a non-finite loss or gradient would make every weight NaN: skip the update (every rank sees the same
-    # all-reduced numbers, so all skip alike); main() stops the run if it keeps happening
-    finite = bool(loss_accum.isfinite() and norm.isfinite())
-    if finite:
+    # a non-finite loss or gradient would make every weight NaN; a loss above DIVERGED_LOSS means they blew up:
+    # skip the update (all ranks see the same all-reduced numbers); main() stops the run if it keeps happening
+    sane = bool(loss_accum.isfinite() and norm.isfinite() and loss_accum < DIVERGED_LOSS)
+    if sane:
         optimizer.step()
     if ranks.device.startswith("cuda"):
         torch.cuda.synchronize()
-    return loss_accum.item(), norm.item(), lr, finite
+    return loss_accum.item(), norm.item(), lr, sane
 
 def stop_early(args, ranks, signum, step, model, optimizer, train_loader, save):
     """After a SIGTERM or SIGINT: save where the run is (its evaluations run when it resumes). Returns the exit code."""
@@ -713,12 +712,13 @@ def count_skipped(args, ranks, step, updated, skipped):
         if ranks.master:
             machine.prune_checkpoints(args.log_dir, args.keep_checkpoints)
         return 0
-    ranks.print0(f"warning: step {step}: the loss or the gradient norm is not finite: update skipped")
+    ranks.print0(f"warning: step {step}: the loss is not finite or above {DIVERGED_LOSS:.1f}, or the gradient norm "
+                 "is not finite: update skipped")
     if skipped + 1 == MAX_SKIPPED_STEPS:  # every rank gets here alike
         if ranks.master:
             machine.prune_checkpoints(args.log_dir, 0, newer_than=step - MAX_SKIPPED_STEPS)
         found = list_checkpoints(args.log_dir)
-        raise SystemExit(f"error: training diverged: {MAX_SKIPPED_STEPS} steps in a row with a non-finite loss or "
+        raise SystemExit(f"error: training diverged: {MAX_SKIPPED_STEPS} steps in a row with a diverged loss or "
                          f"gradient (the last at step {step}); the newest checkpoint that trained on, "
                          f"{found[-1] if found else '(none)'}, is kept: lower --max_lr" if ranks.master else 1)
     return skipped + 1
@@ -728,6 +728,9 @@ def count_skipped(args, ranks, step, updated, skipped):
 
 # a non-finite loss now and then (a bad batch, a bf16 overflow) is skipped; this many in a row is divergence
 MAX_SKIPPED_STEPS = 5
+# twice the loss of a uniform guess (ln 50304 = 10.8, where scratch training starts): weights that give more
+# are broken even if finite (--max_lr 1e6 gets there in one step)
+DIVERGED_LOSS = 2 * math.log(PADDED_VOCAB_SIZE)
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv

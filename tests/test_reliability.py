@@ -2,7 +2,6 @@
 per folder, a full or read-only disk, --resume before the first checkpoint, and resumes that compute
 exactly the same numbers in every process (docs/reliability.md)."""
 import contextlib
-import math
 import os
 import re
 import signal
@@ -150,19 +149,30 @@ def test_divergence_stops_and_keeps_only_checkpoints_that_trained_on(data, tmp_p
                      check=False)
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: training diverged: 5 steps in a row with a non-finite loss or gradient"), proc.stderr
+    assert last.startswith("error: training diverged: 5 steps in a row with a diverged loss or gradient"), proc.stderr
     assert "update skipped" in proc.stdout
     train = read_log(log, "train")
     kept = train_gpt2.list_checkpoints(str(log))
     assert kept and os.path.basename(kept[-1]) in last
-    for f in kept:  # finite weights, and a step from them gave a finite loss
+    for f in kept:  # finite weights, and a step from them gave a sane loss
         ckpt = torch.load(f, weights_only=True)
         assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
-        assert math.isfinite(train[ckpt["step"]]), (f, train)
+        assert train[ckpt["step"]] < train_gpt2.DIVERGED_LOSS, (f, train)
     # and the run goes on from there with a sane learning rate
     out = run_train(tiny_run_args(data, log, "--resume", "--max_lr", "1e-3", "--max_steps", str(len(train) + 2),
                                   "--eval_interval", "0")).stdout
     assert f"resumed from {kept[-1]}" in out and "update skipped" not in out
+
+
+def test_blown_up_but_finite_weights_never_push_out_the_last_good_checkpoint(data, tmp_path):
+    """--max_lr 1e6 blows the weights up in one step to a finite loss of ~1e12, then NaN: with a checkpoint
+    every step and only one kept, the last checkpoint of normal training must be the one left."""
+    log = tmp_path / "log"
+    run_train(tiny_run_args(data, log, "--max_steps", "3", "--eval_interval", "1"))
+    proc = run_train(tiny_run_args(data, log, "--resume", "--max_lr", "1e6", "--max_steps", "40", "--eval_interval", "1",
+                                   "--checkpoint_interval", "1", "--keep_checkpoints", "1"), check=False)
+    assert proc.returncode == 1 and "error: training diverged" in proc.stderr
+    assert [os.path.basename(f) for f in train_gpt2.list_checkpoints(str(log))] == ["model_00003.pt"]
 
 
 # ----------------------------------------------------------------------------- checkpoints
