@@ -103,8 +103,12 @@ def tokenizer_files(block_size):
     merges = [" ".join(map(text, split_by_lower_ranks(token, ranks)))
               for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]) if rank >= 256]
     special = {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT}
-    tokenizer_config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size,
-                        "add_prefix_space": False, "add_bos_token": False, "errors": "replace", **special}
+    # <|endoftext|> registered as the special token it is; no clean-up of spaces around punctuation on
+    # decode (transformers 4.x would otherwise change " ." into "."): decoding gives back the text
+    tokenizer_config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size, "add_prefix_space": False,
+                        "add_bos_token": False, "clean_up_tokenization_spaces": False, "errors": "replace", **special,
+                        "added_tokens_decoder": {str(tokenizer.EOT): {"content": EOT_TEXT, "special": True, "normalized": False,
+                                                                        "lstrip": False, "rstrip": False, "single_word": False}}}
     return {"vocab.json": json.dumps(vocab, ensure_ascii=False),
             "merges.txt": "#version: 0.2\n" + "\n".join(merges) + "\n",
             "tokenizer_config.json": json.dumps(tokenizer_config, indent=2),
