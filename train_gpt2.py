@@ -609,9 +609,9 @@ def evaluate(args, ranks, step, model, autocast, due):
     val_loss = None
     if due(args.eval_interval):  # the same val tokens whatever the batch size or world size
         stats = torch.zeros(2, dtype=torch.float64, device=ranks.device)  # summed loss, token count
-        batches = list(val_batches(args.data_dir, args.seq_len, args.val_tokens, args.batch_size, ranks.rank, ranks.world_size))
+        batches = val_batches(args.data_dir, args.seq_len, args.val_tokens, args.batch_size, ranks.rank, ranks.world_size)
         if ranks.sharded:  # every rank must join every forward's all-gathers: pad with batches that don't count
-            most = torch.tensor(len(batches))
+            most = torch.tensor(len(batches := list(batches)))
             torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
             batches += [None] * (int(most) - len(batches))
         with torch.no_grad():
@@ -619,7 +619,7 @@ def evaluate(args, ranks, step, model, autocast, due):
                 x, y = batch if batch is not None else (torch.zeros(1, args.seq_len, dtype=torch.long),) * 2
                 with autocast:
                     _, loss = model(x.to(ranks.device), y.to(ranks.device))
-                counted = y.numel() if batch is not None else 0
+                counted = y.numel() * (batch is not None)
                 stats += torch.tensor([loss.item() * counted, counted], dtype=torch.float64, device=ranks.device)
         val_loss = (ranks.all_reduce_sum(stats)[0] / stats[1]).item()
         ranks.print0(f"validation loss: {val_loss:.4f}")
