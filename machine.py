@@ -112,18 +112,13 @@ class Ranks:
 def check_same_weights(ranks, model):
     """Every rank must hold the same weights at the end; a checksum per rank proves it.
     (The state dict: full fp32 weights in plain layout, also under IPEX, whose parameters are bf16 halves.)
-    Sharded, the ranks hold different parts: rank 0 gathers them all and prints their checksum."""
-    if ranks.sharded:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        checksum = hashlib.sha256()
-        for k in sorted(full):  # rank 0 gets them all, the others none
-            checksum.update(full[k].float().contiguous().numpy())
-        return ranks.print0(f"parameter sha256 (all {ranks.world_size} rank(s), sharded): {checksum.hexdigest()}")
+    Sharded, the ranks hold different pieces: each tensor is gathered whole, one at a time, so every rank
+    hashes the same weights (and the digest is the one a DDP run with the same weights prints)."""
     weights = model.state_dict()
     checksum = hashlib.sha256()
     for k in sorted(weights):  # one tensor at a time: joining them all first would double the peak memory
-        checksum.update(weights[k].detach().cpu().float().contiguous().numpy())
+        w = weights[k].full_tensor() if ranks.sharded else weights[k]  # sharded: gathered from every rank
+        checksum.update(w.detach().cpu().float().contiguous().numpy())
     digest = checksum.hexdigest()
     if ranks.world_size > 1:
         digests = [None] * ranks.world_size
@@ -579,6 +574,46 @@ def shard_model(model, ranks, bf16):
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     ranks.sharded = True
+
+
+def build_sharded(build, ranks, bf16, init_weights=True):
+    """build() -> a model, sharded without any rank ever holding all of it: it is built on the meta device
+    (shapes, no storage), sharded, and only then given memory: each rank allocates just its pieces.
+    init_weights: fill them with exactly the weights that build() followed by shard_model() would give
+    (so a sharded run starts where a DDP run does), one module at a time; else leave them for a checkpoint.
+    The replay: every module's constructor draws its own random init (which GPT._init_weights then
+    overwrites, but the draws move the random generator), so first each module's constructor init is drawn
+    and dropped, in construction order; then, in _init_weights' order, each module is made in full on its
+    own, initialized, and each rank keeps its piece of every parameter."""
+    import copy
+    from torch.distributed.tensor import distribute_tensor
+    with torch.device("meta"):
+        model = build()
+    modules = [(n, m) for n, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None]
+    empty_copy = {n: copy.deepcopy(m) for n, m in modules}  # still on meta: no memory yet
+    shard_model(model, ranks, bf16)
+    model.to_empty(device="cpu")
+    if not init_weights:
+        return model
+    for name, _ in modules:  # registration order is construction order for GPT
+        copy.deepcopy(empty_copy[name]).to_empty(device="cpu").reset_parameters()
+    order = []
+    model.apply(order.append)  # the order GPT.__init__'s self.apply(self._init_weights) visits modules
+    name_of = {id(m): n for n, m in model.named_modules()}
+    with torch.no_grad():
+        for module in order:
+            name = name_of[id(module)]
+            if name not in empty_copy:
+                continue
+            full = copy.deepcopy(empty_copy[name]).to_empty(device="cpu")
+            with torch.random.fork_rng(devices=[]):  # the constructor's values, for what _init_weights leaves (LayerNorm)
+                full.reset_parameters()
+            model._init_weights(full)
+            for key, value in full.named_parameters(recurse=False):
+                piece = getattr(module, key)
+                piece.to_local().copy_(distribute_tensor(value, piece.device_mesh, piece.placements,
+                                                         src_data_rank=None).to_local())
+    return model
 
 
 def save_sharded(path, model, optimizer, meta, ranks):

@@ -488,13 +488,10 @@ def resolve_args(argv, ranks):
     if not args.resume and (args.demo or (not find_shards(args.data_dir, "train") and "data_dir" not in given)):
         if not args.demo:
             ranks.print0(f"no shards in {args.data_dir}/ (run fineweb.py to make them): running the demo instead")
-        for k, v in DEMO_ARGS.items():
-            if k not in given:
-                setattr(args, k, v)
+        vars(args).update({k: v for k, v in DEMO_ARGS.items() if k not in given})
         args.demo = True
         args.data_dir = os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")), "gpt2-cpu", "demo")
-        # every rank builds (or finds) the shards: the cache is per host, and a rank that skipped
-        # this would race rank 0 to read files not yet written
+        # every rank builds (or finds) the shards: the cache is per host, and one that skipped this could read half a file
         import fineweb
         fineweb.build_demo_shards(args.data_dir)
     return args, ckpt, ckpt_file
@@ -546,35 +543,40 @@ def start_ranks(args, ranks):
         where = machine.init_process_group(backend, ranks.rank, ranks.world_size, ranks.local_world,
                                            ranks.launcher, args.dist_timeout)
         ranks.print0(f"distributed: {ranks.launcher}, world size {ranks.world_size}, backend {backend}, master {where}")
+    if args.shard == "none" or ranks.world_size == 1:  # (sharded, memory is short: what is freed goes back to the OS)
+        machine.keep_freed_memory()
     if device_type == "cpu":  # one matmul thread per physical core, shared among the ranks on this node
         ranks.print0(machine.set_cpu_threads(args.threads, ranks.world_size, ranks.local_world))
     return ipex
 
 def build_model(args, ranks, ckpt, train_loader):
-    """The checkpoint's weights when resuming; else a scratch GPT-2, OpenAI's weights, or one of our checkpoints."""
+    """The checkpoint's weights when resuming; else a scratch GPT-2, OpenAI's weights, or one of our checkpoints.
+    --shard full: the model is sharded as it is built (see machine.build_sharded), so no rank holds all of it."""
     torch.manual_seed(args.seed)  # same initial weights on every rank
-    if ckpt is not None:  # (a sharded checkpoint's weights come with its AdamW state, in prepare_training)
-        model = GPT(GPTConfig(**ckpt["config"])) if ckpt["sharded_path"] else GPT.from_checkpoint(ckpt)
-    elif args.init_from == "scratch":
-        model = GPT(GPTConfig(block_size=args.block_size, vocab_size=PADDED_VOCAB_SIZE,
-                              n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd))
-    else:
+    shard, bf16 = args.shard == "full" and ranks.world_size > 1, args.dtype == "bf16"
+    if ckpt is not None and not ckpt["sharded_path"]:
+        model = GPT.from_checkpoint(ckpt)
+    elif ckpt is None and args.init_from != "scratch":
         model = load_model(args.init_from)
+    else:  # from scratch; or the shapes for a sharded checkpoint's weights (read with its AdamW state, in prepare_training)
+        config = GPTConfig(**ckpt["config"]) if ckpt is not None else GPTConfig(
+            block_size=args.block_size, vocab_size=PADDED_VOCAB_SIZE, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+        model = machine.build_sharded(lambda: GPT(config), ranks, bf16, init_weights=ckpt is None) if shard else GPT(config)
+    if shard and not ranks.sharded:  # loaded whole (4 bytes per parameter), then split
+        machine.shard_model(model, ranks, bf16)
     config, n_params = model.config, sum(p.numel() for p in model.parameters())
     if args.seq_len > config.block_size:
         raise SystemExit(f"error: --seq_len {args.seq_len} is longer than the model's context {config.block_size}")
     machine.check_token_ids(train_loader.files + find_shards(args.data_dir, "val"), config.vocab_size, ranks.print0)
     if ranks.master and args.checkpoint_interval > 0:  # weights and AdamW's two moments, in fp32
         machine.check_free_space(args.log_dir, 12 * n_params, "a checkpoint")
-    ranks.print0(f"model: {n_params / 1e6:.2f}M parameters, {config}")
+    ranks.print0(f"model: {n_params / 1e6:.2f}M parameters, {config}" + shard * f"\nshard: FSDP2, each rank holds "
+                 f"1/{ranks.world_size} of the weights, gradients and AdamW state")
     return model.to(ranks.device)
 
 def prepare_training(args, ranks, model, ckpt, ckpt_file, train_loader, ipex):
     """The optimizer, the resumed state, then the wrappers: IPEX, torch.compile, DDP. Returns (model, optimizer, first step)."""
     device_type = ranks.device.split(":")[0]
-    if args.shard == "full" and ranks.world_size > 1:  # before the optimizer, which must hold the pieces
-        machine.shard_model(model, ranks, bf16=args.dtype == "bf16")
-        ranks.print0(f"shard: FSDP2, each rank holds 1/{ranks.world_size} of the weights, gradients and AdamW state")
     optimizer, fused = model.configure_optimizer(args.weight_decay, args.max_lr, device_type)
     ranks.print0(f"optimizer: AdamW, fused={fused}")
     start_step = 0
@@ -597,8 +599,7 @@ def prepare_training(args, ranks, model, ckpt, ckpt_file, train_loader, ipex):
         model = machine.compile_if_possible(model, args, ipex, device_type, ranks.print0)
     if ranks.world_size > 1:  # the same checkpoint on every rank: DDP copies rank 0's weights, but nothing else
         machine.check_same_start(ranks, start_step)
-    if ranks.world_size > 1 and not ranks.sharded:  # DDP averages the gradients during backward, bucket
-        # by bucket, overlapping communication with the rest of the backward pass
+    if ranks.world_size > 1 and not ranks.sharded:  # DDP averages the gradients during backward, bucket by bucket
         from torch.nn.parallel import DistributedDataParallel as DDP
         model = DDP(model, device_ids=[ranks.local_rank] if device_type == "cuda" else None)
     return model, optimizer, start_step
@@ -735,7 +736,6 @@ DIVERGED_LOSS = 2 * math.log(PADDED_VOCAB_SIZE)
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     machine.compile_cache_dir()  # now: building the optimizer already makes torch settle on a cache folder
-    machine.keep_freed_memory()  # before the first big tensor
     machine.warm_up_vector_math()  # so that a resumed run computes exactly what the uninterrupted one did
     stop = machine.GracefulStop()  # SIGTERM / Ctrl-C: finish the step, save a checkpoint, exit
     # How to run is the launcher's decision: torchrun, mpirun and srun each tell every process its rank
