@@ -586,7 +586,6 @@ def build_sharded(build, ranks, bf16, init_weights=True):
     and dropped, in construction order; then, in _init_weights' order, each module is made in full on its
     own, initialized, and each rank keeps its piece of every parameter."""
     import copy
-    from torch.distributed.tensor import distribute_tensor
     with torch.device("meta"):
         model = build()
     modules = [(n, m) for n, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None]
@@ -610,10 +609,18 @@ def build_sharded(build, ranks, bf16, init_weights=True):
                 full.reset_parameters()
             model._init_weights(full)
             for key, value in full.named_parameters(recurse=False):
-                piece = getattr(module, key)
-                piece.to_local().copy_(distribute_tensor(value, piece.device_mesh, piece.placements,
-                                                         src_data_rank=None).to_local())
+                copy_weight(getattr(module, key), value)
     return model
+
+
+def copy_weight(param, full):
+    """param = full; for a sharded parameter (a DTensor), just the piece of full that this rank holds."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            param, full = param.to_local(), distribute_tensor(full, param.device_mesh, param.placements,
+                                                              src_data_rank=None).to_local()
+        param.copy_(full)
 
 
 def save_sharded(path, model, optimizer, meta, ranks):

@@ -203,46 +203,47 @@ class GPT(nn.Module):
         return None, lm_head_loss(x, self.lm_head.weight, targets)
 
     @classmethod
-    def from_pretrained(cls, name_or_path):
+    def from_pretrained(cls, name_or_path, build=None):
         """OpenAI's GPT-2 weights from the Hugging Face hub (gpt2, gpt2-medium, gpt2-large, gpt2-xl),
-        or a local directory in the same layout (config.json + model.safetensors)."""
-        from safetensors.torch import load_file
+        or a local directory in the same layout (config.json + model.safetensors). build(config) makes the
+        model they fill (--shard full: one built sharded); they are read one tensor at a time."""
+        from safetensors import safe_open
         config_file, weights_file = machine.pretrained_files(name_or_path, PRETRAINED_NAMES)
         with open(config_file) as f:
             hf = json.load(f)
-        model = GPT(GPTConfig(block_size=hf["n_positions"], vocab_size=hf["vocab_size"],
-                              n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"]))
-        try:
-            theirs = load_file(weights_file)
-        except Exception as e:
-            raise SystemExit(f"error: cannot read {weights_file}: {machine.one_line(e)}")
+        model = (build or cls)(GPTConfig(block_size=hf["n_positions"], vocab_size=hf["vocab_size"],
+                                          n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"]))
         # save_pretrained() writes 'transformer.h.0...', OpenAI's upload has no prefix; the attention
         # 'bias' buffers are causal masks, and lm_head is tied to wte, so neither is loaded.
         # OpenAI's checkpoints use a 'Conv1D' module: a Linear whose weight is stored transposed.
         transposed = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
-        ours = {}
-        for k, w in theirs.items():
-            k = "transformer." + k.removeprefix("transformer.")
-            if not k.endswith((".attn.bias", ".attn.masked_bias")) and k != "transformer.lm_head.weight":
-                ours[k] = w.t() if k.endswith(transposed) else w
-        expected = model.state_dict()
-        missing = [k for k in expected if k not in ours and k != "lm_head.weight"]
-        if missing:
-            raise SystemExit(f"error: {weights_file} lacks {len(missing)} GPT-2 tensors, e.g. {missing[0]}")
-        for k, w in ours.items():
-            if k in expected and w.shape != expected[k].shape:
-                raise SystemExit(f"error: {weights_file}: {k} has shape {tuple(w.shape)}, expected {tuple(expected[k].shape)}")
-        model.load_state_dict(ours, strict=False)
+        params = dict(model.named_parameters())  # (lm_head.weight is wte's: named once)
+        try:
+            with safe_open(weights_file, framework="pt") as f:
+                theirs = {"transformer." + k.removeprefix("transformer."): k for k in f.keys()}
+                missing = [k for k in params if k not in theirs]
+                if missing:
+                    raise SystemExit(f"error: {weights_file} lacks {len(missing)} GPT-2 tensors, e.g. {missing[0]}")
+                for k, p in params.items():
+                    shape = f.get_slice(theirs[k]).get_shape()[::-1 if k.endswith(transposed) else 1]
+                    if tuple(shape) != tuple(p.shape):
+                        raise SystemExit(f"error: {weights_file}: {k} has shape {tuple(shape)}, expected {tuple(p.shape)}")
+                for k, p in params.items():
+                    w = f.get_tensor(theirs[k])
+                    machine.copy_weight(p, w.t() if k.endswith(transposed) else w)
+        except Exception as e:
+            raise SystemExit(f"error: cannot read {weights_file}: {machine.one_line(e)}")
         return model
 
     @classmethod
-    def from_checkpoint(cls, ckpt):
-        """The model in one of our checkpoints (see load_checkpoint)."""
-        model = cls(GPTConfig(**ckpt["config"]))
+    def from_checkpoint(cls, ckpt, build=None):
+        """The model in one of our checkpoints (see load_checkpoint); build(config) as in from_pretrained."""
+        model = (build or cls)(GPTConfig(**ckpt["config"]))
         if ckpt["sharded_path"]:
             machine.load_sharded(ckpt["sharded_path"], model)
         else:
-            model.load_state_dict(ckpt["model"])
+            for k, p in model.named_parameters():
+                machine.copy_weight(p, ckpt["model"][k])
         return model
 
     def configure_optimizer(self, weight_decay, learning_rate, device_type):
@@ -378,12 +379,12 @@ def load_checkpoint(path):
     machine.verify_checksums({k: v for k, v in ckpt.items() if k != "checksums"}, ckpt.get("checksums", {}), path)
     return ckpt
 
-def load_model(name_or_path):
+def load_model(name_or_path, build=None):
     """One of our checkpoints (.pt, or .dcp from a sharded run), or what GPT.from_pretrained reads
     (gpt2..gpt2-xl, a Hugging Face-layout folder)."""
     if os.path.isfile(name_or_path) or os.path.isfile(os.path.join(name_or_path, "meta.pt")):
-        return GPT.from_checkpoint(load_checkpoint(name_or_path))
-    return GPT.from_pretrained(name_or_path)
+        return GPT.from_checkpoint(load_checkpoint(name_or_path), build)
+    return GPT.from_pretrained(name_or_path, build)
 
 def append_log(log_dir, ranks, *lines):
     """log.txt: one line per measurement ('STEP KIND VALUE'), written by rank 0 alone; play.ipynb plots it."""
@@ -554,16 +555,15 @@ def build_model(args, ranks, ckpt, train_loader):
     --shard full: the model is sharded as it is built (see machine.build_sharded), so no rank holds all of it."""
     torch.manual_seed(args.seed)  # same initial weights on every rank
     shard, bf16 = args.shard == "full" and ranks.world_size > 1, args.dtype == "bf16"
+    build = (lambda config: machine.build_sharded(lambda: GPT(config), ranks, bf16, init_weights=False)) if shard else None
     if ckpt is not None and not ckpt["sharded_path"]:
-        model = GPT.from_checkpoint(ckpt)
+        model = GPT.from_checkpoint(ckpt, build)
     elif ckpt is None and args.init_from != "scratch":
-        model = load_model(args.init_from)
+        model = load_model(args.init_from, build)
     else:  # from scratch; or the shapes for a sharded checkpoint's weights (read with its AdamW state, in prepare_training)
         config = GPTConfig(**ckpt["config"]) if ckpt is not None else GPTConfig(
             block_size=args.block_size, vocab_size=PADDED_VOCAB_SIZE, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
         model = machine.build_sharded(lambda: GPT(config), ranks, bf16, init_weights=ckpt is None) if shard else GPT(config)
-    if shard and not ranks.sharded:  # loaded whole (4 bytes per parameter), then split
-        machine.shard_model(model, ranks, bf16)
     config, n_params = model.config, sum(p.numel() for p in model.parameters())
     if args.seq_len > config.block_size:
         raise SystemExit(f"error: --seq_len {args.seq_len} is longer than the model's context {config.block_size}")

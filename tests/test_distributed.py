@@ -507,6 +507,19 @@ def test_sharded_build_starts_from_a_whole_builds_weights(tmp_path):
     assert proc.stdout.count("same weights 29") == 2, proc.stdout
 
 
+def test_sharded_finetune_from_pretrained_equals_ddp(data, tmp_path):
+    """--init_from a Hugging Face folder with --shard full: the model is built sharded and each rank copies
+    in just its pieces, one tensor at a time; the fine-tune must equal the same fine-tune under DDP."""
+    from test_model import save_random_hf_gpt2
+    save_random_hf_gpt2(tmp_path / "hf")
+    ddp = run_launched(tiny_run_args(data, tmp_path / "ddp", *EQUAL, "--init_from", tmp_path / "hf"), TORCHRUN, clean_env())
+    sharded = run_launched(tiny_run_args(data, tmp_path / "sharded", *EQUAL, "--init_from", tmp_path / "hf",
+                                         "--shard", "full"), TORCHRUN, clean_env())
+    assert "n_embd=64" in ddp.stdout and "n_embd=64" in sharded.stdout and "shard: FSDP2" in sharded.stdout
+    assert_same_run(tmp_path / "ddp", tmp_path / "sharded")
+    assert final_weights_diff(tmp_path / "ddp", tmp_path / "sharded") <= TOL
+
+
 def stopped_after_step_3(run_dir, tmp_path):
     """A copy of a finished run's folder as a run killed after its step-3 checkpoint leaves it, plus the
     folder a sharded save leaves when killed half-way (model_00005.dcp.tmp), which must never be used."""
