@@ -4,20 +4,10 @@ fineweb.py: text -> the uint16 token shards that train_gpt2.py reads.
     python fineweb.py                                   # FineWeb-Edu sample-10BT -> edu_fineweb10B/
     python fineweb.py --input 'my_notes/*.txt' --output_dir my_shards --shard_size 1e6 --val_tokens 1e5
 
-What comes out is build-nanogpt's layout: {prefix}_val_000000.npy, {prefix}_train_000001.npy, ...,
-each an np.save'd 1-D uint16 array (GPT-2's 50,257 ids fit in 16 bits: half the disk of int32).
-Every document is written as [EOT] + its GPT-2 tokens (EOT = 50256, <|endoftext|>), in input order,
-so the model learns where documents start. Train shards hold exactly --shard_size tokens (the last
-one fewer); a document may run on from one train shard into the next. The val shard, shard 0, holds
-the first documents, whole, until it has at least --val_tokens tokens: unlike build-nanogpt (which
-cuts val at exactly 1e8 tokens) no document is split between val and train.
-
-Documents come from HuggingFaceFW/fineweb-edu (sample-10BT), streamed with `datasets` so the disk
-only ever holds shards, or from local files (--input). Tokenizing is the only real work and tiktoken
-does it in Rust without Python's GIL: one thread per core tokenizes ~1 MB batches while the main
-thread reads and cuts shards, in order. Each shard is written under a temporary name and renamed, and a
-manifest records where in the input each one ends: after Ctrl-C or kill -9 the same command carries on
-from the last finished shard, byte-identical to an uninterrupted run. More: docs/data.md.
+Shards are build-nanogpt's: {prefix}_val_000000.npy, {prefix}_train_000001.npy, ..., each an np.save'd
+1-D uint16 array (GPT-2's 50,257 ids fit in 16 bits) holding [EOT] + tokens for every document, in input
+order. Train shards hold exactly --shard_size tokens; the val shard holds whole documents only. Shards
+are written atomically and a manifest lets a killed run carry on, byte-identical. Why and how: docs/data.md.
 """
 import argparse
 import collections
@@ -39,7 +29,7 @@ from tokenizer import EOT, get_encoding
 
 EOT_TEXT = "<|endoftext|>"        # the text that tiktoken turns into the EOT id when allowed
 MANIFEST_VERSION = 2
-LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 # -----------------------------------------------------------------------------
 # 1. Where documents come from
@@ -69,50 +59,32 @@ def expand_inputs(patterns):
                 files.append(f)
     return files
 
-def get_text(obj, field, path, where):
-    if not isinstance(obj, dict) or field not in obj:
-        keys = sorted(obj)[:10] if isinstance(obj, dict) else type(obj).__name__
-        raise SystemExit(f"error: {path} {where}: no '{field}' field (found {keys}); see --text_field")
-    return obj[field]
-
-def read_parquet(path, field, start_row):
-    """The field's column of a parquet file, as (row, text) from start_row on. The column is checked
-    at once, from the file's footer; the text is read a record batch at a time (see arrow_rows)."""
-    pf = pq.ParquetFile(path)
-    if field not in pf.schema_arrow.names:
-        raise SystemExit(f"error: {path}: no '{field}' column (columns: {', '.join(pf.schema_arrow.names)}); "
-                         "see --text_field")
-    return arrow_rows(pf.iter_batches(batch_size=1024, columns=[field]), 0, start_row)
-
-def read_text(path, field, start_row):
-    """The documents of a text file, from start_row on, as (row, text):
+def read_file(path, field, start_row):
+    """The documents of a local file, from start_row on, as (row, text):
     .txt      the whole file is one document, decoded as UTF-8, byte for byte
     .jsonl    one JSON object per line; the row is the line number (blank lines are skipped)
-    .json     one JSON array of objects (the row is the index), or JSON lines like .jsonl"""
-    suffix = os.path.splitext(path)[1].lower()
+    .parquet  the field's column, a record batch at a time; the row is the row"""
+    if path.lower().endswith(".parquet"):
+        yield from arrow_rows(pq.ParquetFile(path).iter_batches(batch_size=1024, columns=[field]), 0, start_row)
+        return
     with open(path, "rb") as f:
-        if suffix == ".txt":
+        if path.lower().endswith(".txt"):
             try:
                 yield from [(0, f.read().decode("utf-8"))][start_row:]
             except UnicodeDecodeError as e:
                 raise SystemExit(f"error: {path}: not UTF-8 text (bad byte at offset {e.start})")
-        elif suffix == ".json" and f.read(4096).lstrip().startswith(b"["):
-            f.seek(0)
+            return
+        for row, line in enumerate(f):
+            if row < start_row or not line.strip():
+                continue
             try:
-                items = json.load(f)
+                obj = json.loads(line)
             except ValueError as e:
-                raise SystemExit(f"error: {path}: not valid JSON ({e})")
-            for row in range(start_row, len(items)):
-                yield row, get_text(items[row], field, path, f"item {row}")
-        else:
-            f.seek(0)
-            for row, line in enumerate(f):
-                if row >= start_row and line.strip():
-                    try:
-                        obj = json.loads(line)
-                    except ValueError as e:
-                        raise SystemExit(f"error: {path} line {row + 1}: not valid JSON ({e})")
-                    yield row, get_text(obj, field, path, f"line {row + 1}")
+                raise SystemExit(f"error: {path} line {row + 1}: not valid JSON ({e})")
+            if not isinstance(obj, dict) or field not in obj:
+                found = sorted(obj)[:10] if isinstance(obj, dict) else type(obj).__name__
+                raise SystemExit(f"error: {path} line {row + 1}: no '{field}' field (found {found}); see --text_field")
+            yield row, obj[field]
 
 def arrow_rows(batches, row, start_row):
     """(row, text) from start_row on, out of Arrow batches (parquet record batches, or the dataset's
@@ -127,9 +99,8 @@ def arrow_rows(batches, row, start_row):
             row += len(batch)
     except BaseException:    # GeneratorExit (closed early, e.g. after Ctrl-C) or an error
         # An Arrow reader left half-read can abort the interpreter at exit ("terminate called without
-        # an active exception") with the pyarrow versions this was written against; closing it and
-        # collecting garbage while Python is still fully alive frees it cleanly. (Not done after a
-        # normal end: a full gc.collect() can take a noticeable fraction of a second.)
+        # an active exception"); closing it and collecting garbage while Python is still fully alive
+        # frees it cleanly. (Not after a normal end: a full gc.collect() can take a noticeable time.)
         if hasattr(batches, "close"):
             batches.close()
         gc.collect()
@@ -137,21 +108,23 @@ def arrow_rows(batches, row, start_row):
 
 def local_units(files, field):
     """Check every file cheaply before any work (readable, has the text field), then wrap each."""
-    units = []
     for path in files:
         if not os.access(path, os.R_OK):
             raise SystemExit(f"error: {path}: cannot read the file")
-        read = read_parquet if path.lower().endswith(".parquet") else read_text
         try:
-            rows = read(path, field, 0)    # parquet: its column is checked now, from the footer
-            # JSON: read the first document (a missing field fails here); a .txt file is only read once, later
-            if path.lower().endswith((".jsonl", ".json")) and next(rows, None) is None:
-                print(f"warning: {path} holds no documents", file=sys.stderr)
-            rows.close()
-        except Exception as e:             # a broken parquet file, say
+            if path.lower().endswith(".parquet"):    # the column, from the file's footer
+                columns = pq.ParquetFile(path).schema_arrow.names
+                if field not in columns:
+                    raise SystemExit(f"error: {path}: no '{field}' column (columns: {', '.join(columns)}); "
+                                     "see --text_field")
+            elif path.lower().endswith(".jsonl"):    # the first document (a missing field fails here)
+                rows = read_file(path, field, 0)
+                if next(rows, None) is None:
+                    print(f"warning: {path} holds no documents", file=sys.stderr)
+                rows.close()
+        except Exception as e:                       # a broken parquet file, say
             raise SystemExit(f"error: {path}: cannot read it ({type(e).__name__}: {e})")
-        units.append(Unit(path, lambda start, p=path, read=read: read(p, field, start)))
-    return units
+    return [Unit(path, lambda start, p=path: read_file(p, field, start)) for path in files]
 
 def hub_units(dataset, name, split, field):
     """A Hugging Face dataset, streamed. load_dataset(..., streaming=True) only lists the data files;
@@ -177,15 +150,12 @@ def hub_units(dataset, name, split, field):
 # -----------------------------------------------------------------------------
 # 2. Tokenizing
 #
-# tiktoken's encoder is Rust and releases the GIL, but calling it once per document from Python costs
-# a round trip per document: converting the ids to a Python list of ints, then to numpy, and (in
-# threads) waiting for the GIL to come back. Instead we tokenize a whole batch in ONE call:
+# tiktoken's encoder is Rust and releases the GIL, but one call per document costs a Python round trip
+# per document (ids -> list -> numpy, and the GIL back). So a whole batch is ONE call:
 #     encode("<|endoftext|>" + doc1 + "<|endoftext|>" + doc2 ..., allowed_special={"<|endoftext|>"})
-# tiktoken cuts the text at each allowed special token, BPE-encodes the pieces between them
-# separately and puts EOT where each special token was: exactly [EOT] + encode(doc1) + [EOT] + ...,
-# which is our shard format, returned as one numpy array. The one catch: a document that itself
-# contains the text "<|endoftext|>" must not get a real EOT inside it, so such (rare) documents
-# are encoded on their own, as ordinary text.
+# tiktoken BPE-encodes the pieces between allowed special tokens separately and puts EOT for each:
+# exactly [EOT] + encode(doc1) + [EOT] + ..., our shard format, as one numpy array. A (rare) document
+# that itself contains the text "<|endoftext|>" must not get a real EOT, so it is encoded on its own.
 
 def encode(enc, text, allowed_special=frozenset()):
     """tiktoken's encode_to_numpy (uint32 ids, no Python list in between), no special-token checks."""
@@ -236,11 +206,7 @@ def atomic_write(path, write):
     os.replace(tmp, path)
 
 def save_manifest(path, manifest):
-    """JSON, one line per shard so that it stays readable with 100 shards."""
-    lines = [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in manifest.items() if k != "shards"]
-    shards = ",\n".join(f"  {json.dumps(s)}" for s in manifest["shards"])
-    text = "{\n" + "\n".join(lines) + '\n "shards": [\n' + shards + "\n ]\n}\n"
-    atomic_write(path, lambda f: f.write(text.encode()))
+    atomic_write(path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
 
 def open_output_dir(out_dir, prefix, config, overwrite):
     """Start, resume or refuse. Returns the manifest (its "shards" are the ones verified on disk);
