@@ -245,7 +245,7 @@ def open_output_dir(out_dir, prefix, config, overwrite):
     return manifest, manifest_path
 
 # -----------------------------------------------------------------------------
-# 4. The pipeline: reading (main thread) -> tokenizer threads -> shards (main thread) -> writer thread
+# 4. The pipeline: reading (main thread) -> tokenizer threads -> cutting and writing shards (main thread)
 
 Batch = collections.namedtuple("Batch", "texts units rows")   # one (unit, row) per text
 
@@ -268,11 +268,9 @@ def read_batches(units, start, batch_chars):
         yield Batch(texts, unit_ids, rows)
 
 class Sharder:
-    """Takes tokenized batches in input order and cuts them into shards; hands each finished shard
-    to a writer thread, which saves it and then records it in the manifest.
-
-    A place in the input is (unit, row, token): the next token to write is token `token` of the
-    document at `row` of input unit `unit` (counting its leading EOT)."""
+    """Takes tokenized batches in input order, cuts them into shards, saves each one and records it in
+    the manifest. A place in the input is (unit, row, token): the next token to write is token `token`
+    of the document at `row` of input unit `unit` (counting its leading EOT)."""
 
     def __init__(self, args, manifest, manifest_path):
         self.args, self.manifest, self.manifest_path = args, manifest, manifest_path
@@ -283,8 +281,6 @@ class Sharder:
         # the val shard is shard 0; with --val_tokens 0 there is none and train starts at 1
         self.index = len(done) + (args.val_tokens == 0)
         self.parts, self.fill = [], 0         # the shard being filled: token arrays, and their total length
-        self.writer = ThreadPoolExecutor(1)   # one thread, so shards and manifest updates land in order
-        self.writing = None
 
     def add(self, batch, tokens, ends):
         """Append one tokenized batch; returns how many tokens it added."""
@@ -307,22 +303,18 @@ class Sharder:
             self.fill += cut - p
             p = cut
             if full:
-                self._submit(end)
+                self._write(end)
         self.end = place(len(ends))
         self.tokens += added
         return added
 
-    def _submit(self, end):
+    def _write(self, end):
+        """Save the finished shard, then record it (and where in the input it ends) in the manifest."""
         split = "val" if self.index == 0 else "train"
         entry = {"file": f"{self.args.prefix}_{split}_{self.index:06d}.npy", "split": split, "end": list(end)}
-        parts, self.parts, self.fill = self.parts, [], 0
-        self.index += 1
-        self.wait()     # at most one finished shard waits in memory while another is written
-        self.writing = self.writer.submit(self._write, entry, parts)
-
-    def _write(self, entry, parts):
         path = os.path.join(self.args.output_dir, entry["file"])
-        tokens = np.concatenate(parts)
+        tokens = np.concatenate(self.parts)
+        self.parts, self.fill, self.index = [], 0, self.index + 1
         try:
             atomic_write(path, lambda f: np.save(f, tokens, allow_pickle=False))
             entry.update(tokens=len(tokens), docs=int(np.count_nonzero(tokens == EOT)), bytes=os.path.getsize(path))
@@ -334,18 +326,11 @@ class Sharder:
     def finish(self):
         """End of input: write what is left (the val shard, if it never filled up, or the last train shard)."""
         if self.fill > 0:
-            self._submit(self.end)
-        self.wait()
+            self._write(self.end)
         self.manifest["complete"] = True
         # (a document that runs on into the next shard is counted once: its EOT is in one shard)
         self.manifest["totals"] = {"tokens": self.tokens, "docs": sum(s["docs"] for s in self.manifest["shards"])}
         save_manifest(self.manifest_path, self.manifest)
-
-    def wait(self):
-        """Wait for the shard being written, if any (re-raising its error)."""
-        if self.writing is not None:
-            writing, self.writing = self.writing, None
-            writing.result()
 
 def tokenize_all(units, manifest, manifest_path, args):
     """The main loop: read, tokenize, cut and write until the input ends."""
@@ -363,7 +348,8 @@ def tokenize_all(units, manifest, manifest_path, args):
         bar.set_postfix(shards=len(manifest["shards"]), refresh=False)
 
     # Batches being tokenized, oldest first: results are used in input order. Enough of them are
-    # queued that the workers stay busy while this thread reads the next batch or cuts shards.
+    # queued that the workers stay busy while this thread reads the next batch or writes a shard
+    # (so a writer thread of its own measured no faster).
     pending = collections.deque()
     try:
         for batch in batches:
@@ -376,13 +362,10 @@ def tokenize_all(units, manifest, manifest_path, args):
             raise SystemExit("error: the input holds no text (only empty documents)")
         sharder.finish()
     finally:
-        # normal end, an error or Ctrl-C: stop reading, drop queued batches, but let the shard
-        # being written finish (it is complete: no reason to lose it)
+        # normal end, an error or Ctrl-C: stop reading and drop the queued batches
         bar.close()
         batches.close()
         pool.shutdown(wait=True, cancel_futures=True)
-        sharder.wait()
-        sharder.writer.shutdown()
 
 # -----------------------------------------------------------------------------
 # 5. The command line
