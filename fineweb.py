@@ -4,20 +4,9 @@ fineweb.py: text -> the uint16 token shards that train_gpt2.py reads.
     python fineweb.py                                   # FineWeb-Edu sample-10BT -> edu_fineweb10B/
     python fineweb.py --input 'my_notes/*.txt' --output_dir my_shards --shard_size 1e6 --val_tokens 1e5
 
-What comes out is build-nanogpt's layout: {prefix}_val_000000.npy, {prefix}_train_000001.npy, ...,
-each an np.save'd 1-D uint16 array (GPT-2's 50,257 ids fit in 16 bits: half the disk of int32).
-Every document is written as [EOT] + its GPT-2 tokens (EOT = 50256, <|endoftext|>), in input order,
-so the model learns where documents start. Train shards hold exactly --shard_size tokens (the last
-one fewer); a document may run on from one train shard into the next. The val shard, shard 0, holds
-the first documents, whole, until it has at least --val_tokens tokens: unlike build-nanogpt (which
-cuts val at exactly 1e8 tokens) no document is split between val and train.
-
-Documents come from HuggingFaceFW/fineweb-edu (sample-10BT), streamed with `datasets` so the disk
-only ever holds shards, or from local files (--input). Tokenizing is the only real work and tiktoken
-does it in Rust without Python's GIL: one thread per core tokenizes ~1 MB batches while the main
-thread reads and cuts shards, in order. Each shard is written under a temporary name and renamed, and a
-manifest records where in the input each one ends: after Ctrl-C or kill -9 the same command carries on
-from the last finished shard, byte-identical to an uninterrupted run. More: docs/data.md.
+build-nanogpt's shards ({prefix}_val_000000.npy, {prefix}_train_000001.npy, ...: np.save'd uint16 arrays)
+of [EOT] + tokens per document, in input order; val holds whole documents only. Each shard is written
+atomically and a manifest lets a killed run carry on, byte-identical. Why and how: docs/data.md.
 """
 import argparse
 import collections
@@ -39,15 +28,14 @@ from tokenizer import EOT, get_encoding
 
 EOT_TEXT = "<|endoftext|>"        # the text that tiktoken turns into the EOT id when allowed
 MANIFEST_VERSION = 2
-LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 # -----------------------------------------------------------------------------
 # 1. Where documents come from
 #
-# The input is a list of "units": one per local file, or one per file of the Hugging Face dataset.
-# A unit yields (row, text) pairs: row is the document's index inside its unit. A place in the input
-# is then (unit, row), plus a token offset for a train shard that ends in the middle of a document.
-# That is all resuming needs: reopen unit `unit`, jump to `row`, drop `token` tokens.
+# The input is a list of "units": one per local file, or per data file of the Hugging Face dataset. A unit
+# yields (row, text): row is the document's index in its unit. A place in the input is (unit, row, token),
+# token an offset into a document that a train shard ends inside. That is all resuming needs.
 
 Unit = collections.namedtuple("Unit", "name read")   # read(start_row) -> iterator of (row, text), rows >= start_row
 
@@ -62,62 +50,42 @@ def expand_inputs(patterns):
             found = sorted(f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f))
         if not found:
             raise SystemExit(f"error: --input {pattern}: no such file, or no {'/'.join(LOCAL_SUFFIXES)} files")
-        for f in found:
-            if not f.lower().endswith(LOCAL_SUFFIXES):
-                raise SystemExit(f"error: {f}: unsupported file type (use {', '.join(LOCAL_SUFFIXES)})")
-            if f not in files:
-                files.append(f)
+        unsupported = [f for f in found if not f.lower().endswith(LOCAL_SUFFIXES)]
+        if unsupported:
+            raise SystemExit(f"error: {unsupported[0]}: unsupported file type (use {', '.join(LOCAL_SUFFIXES)})")
+        files += [f for f in found if f not in files]
     return files
 
-def get_text(obj, field, path, where):
-    if not isinstance(obj, dict) or field not in obj:
-        keys = sorted(obj)[:10] if isinstance(obj, dict) else type(obj).__name__
-        raise SystemExit(f"error: {path} {where}: no '{field}' field (found {keys}); see --text_field")
-    return obj[field]
-
-def read_parquet(path, field, start_row):
-    """The field's column of a parquet file, as (row, text) from start_row on. The column is checked
-    at once, from the file's footer; the text is read a record batch at a time (see arrow_rows)."""
-    pf = pq.ParquetFile(path)
-    if field not in pf.schema_arrow.names:
-        raise SystemExit(f"error: {path}: no '{field}' column (columns: {', '.join(pf.schema_arrow.names)}); "
-                         "see --text_field")
-    return arrow_rows(pf.iter_batches(batch_size=1024, columns=[field]), 0, start_row)
-
-def read_text(path, field, start_row):
-    """The documents of a text file, from start_row on, as (row, text):
+def read_file(path, field, start_row):
+    """The documents of a local file, from start_row on, as (row, text):
     .txt      the whole file is one document, decoded as UTF-8, byte for byte
     .jsonl    one JSON object per line; the row is the line number (blank lines are skipped)
-    .json     one JSON array of objects (the row is the index), or JSON lines like .jsonl"""
-    suffix = os.path.splitext(path)[1].lower()
+    .parquet  the field's column, a record batch at a time; the row is the row"""
+    if path.lower().endswith(".parquet"):
+        yield from arrow_rows(pq.ParquetFile(path).iter_batches(batch_size=1024, columns=[field]), 0, start_row)
+        return
     with open(path, "rb") as f:
-        if suffix == ".txt":
+        if path.lower().endswith(".txt"):
             try:
                 yield from [(0, f.read().decode("utf-8"))][start_row:]
             except UnicodeDecodeError as e:
                 raise SystemExit(f"error: {path}: not UTF-8 text (bad byte at offset {e.start})")
-        elif suffix == ".json" and f.read(4096).lstrip().startswith(b"["):
-            f.seek(0)
+            return
+        for row, line in enumerate(f):
+            if row < start_row or not line.strip():
+                continue
             try:
-                items = json.load(f)
+                obj = json.loads(line)
             except ValueError as e:
-                raise SystemExit(f"error: {path}: not valid JSON ({e})")
-            for row in range(start_row, len(items)):
-                yield row, get_text(items[row], field, path, f"item {row}")
-        else:
-            f.seek(0)
-            for row, line in enumerate(f):
-                if row >= start_row and line.strip():
-                    try:
-                        obj = json.loads(line)
-                    except ValueError as e:
-                        raise SystemExit(f"error: {path} line {row + 1}: not valid JSON ({e})")
-                    yield row, get_text(obj, field, path, f"line {row + 1}")
+                raise SystemExit(f"error: {path} line {row + 1}: not valid JSON ({e})")
+            if not isinstance(obj, dict) or field not in obj:
+                found = sorted(obj)[:10] if isinstance(obj, dict) else type(obj).__name__
+                raise SystemExit(f"error: {path} line {row + 1}: no '{field}' field (found {found}); see --text_field")
+            yield row, obj[field]
 
 def arrow_rows(batches, row, start_row):
-    """(row, text) from start_row on, out of Arrow batches (parquet record batches, or the dataset's
-    tables) of one text column whose first row is `row`. Batches wholly before start_row are
-    skipped without turning their text into Python strings."""
+    """(row, text) from start_row on, out of Arrow batches of one text column whose first row is `row`.
+    Batches wholly before start_row are skipped without turning their text into Python strings."""
     try:
         for batch in batches:
             if row + len(batch) > start_row:
@@ -125,11 +93,8 @@ def arrow_rows(batches, row, start_row):
                     if i >= start_row:
                         yield i, text
             row += len(batch)
-    except BaseException:    # GeneratorExit (closed early, e.g. after Ctrl-C) or an error
-        # An Arrow reader left half-read can abort the interpreter at exit ("terminate called without
-        # an active exception") with the pyarrow versions this was written against; closing it and
-        # collecting garbage while Python is still fully alive frees it cleanly. (Not done after a
-        # normal end: a full gc.collect() can take a noticeable fraction of a second.)
+    except BaseException:    # closed early (Ctrl-C) or an error: an Arrow reader left half-read can abort the
+        # interpreter at exit ("terminate called without an active exception"); free it while Python is alive
         if hasattr(batches, "close"):
             batches.close()
         gc.collect()
@@ -137,26 +102,24 @@ def arrow_rows(batches, row, start_row):
 
 def local_units(files, field):
     """Check every file cheaply before any work (readable, has the text field), then wrap each."""
-    units = []
     for path in files:
-        if not os.access(path, os.R_OK):
-            raise SystemExit(f"error: {path}: cannot read the file")
-        read = read_parquet if path.lower().endswith(".parquet") else read_text
         try:
-            rows = read(path, field, 0)    # parquet: its column is checked now, from the footer
-            # JSON: read the first document (a missing field fails here); a .txt file is only read once, later
-            if path.lower().endswith((".jsonl", ".json")) and next(rows, None) is None:
-                print(f"warning: {path} holds no documents", file=sys.stderr)
-            rows.close()
-        except Exception as e:             # a broken parquet file, say
+            if path.lower().endswith(".parquet"):    # the column, from the file's footer
+                columns = pq.ParquetFile(path).schema_arrow.names
+                if field not in columns:
+                    raise SystemExit(f"error: {path}: no '{field}' column (columns: {', '.join(columns)}); "
+                                     "see --text_field")
+            elif path.lower().endswith(".jsonl"):    # the first document (a missing field fails here)
+                next(read_file(path, field, 0), None)
+            else:                                    # .txt: read once, later; here only opened
+                open(path, "rb").close()
+        except Exception as e:                       # no permission, a broken parquet file, ...
             raise SystemExit(f"error: {path}: cannot read it ({type(e).__name__}: {e})")
-        units.append(Unit(path, lambda start, p=path, read=read: read(p, field, start)))
-    return units
+    return [Unit(path, lambda start, p=path: read_file(p, field, start)) for path in files]
 
 def hub_units(dataset, name, split, field):
-    """A Hugging Face dataset, streamed. load_dataset(..., streaming=True) only lists the data files;
-    rows are downloaded as they are read. We read it one data file ("shard") at a time so that a
-    resume can jump straight to the file it stopped in instead of re-downloading everything before."""
+    """A Hugging Face dataset, streamed: rows are downloaded as they are read. One unit per data file, so
+    that a resume jumps straight to the file it stopped in instead of re-downloading everything before."""
     import datasets    # here, so that --input works without it
     try:
         ds = datasets.load_dataset(dataset, name=name, split=split, streaming=True)
@@ -167,25 +130,20 @@ def hub_units(dataset, name, split, field):
                          "see --text_field")
     ds = ds.select_columns([field]).with_format("arrow")    # batches come as Arrow tables
     n = ds.num_shards
-
     def read(i, start_row):
         part = ds.shard(num_shards=n, index=i, contiguous=True)   # exactly data file i, in order
         return arrow_rows(part.skip(start_row).iter(batch_size=1024), start_row, start_row)
-
     return [Unit(f"dataset {dataset} file {i + 1}/{n}", lambda start, i=i: read(i, start)) for i in range(n)]
 
 # -----------------------------------------------------------------------------
 # 2. Tokenizing
 #
-# tiktoken's encoder is Rust and releases the GIL, but calling it once per document from Python costs
-# a round trip per document: converting the ids to a Python list of ints, then to numpy, and (in
-# threads) waiting for the GIL to come back. Instead we tokenize a whole batch in ONE call:
+# tiktoken's encoder is Rust and releases the GIL, but a call per document costs a Python round trip
+# each (ids -> list -> numpy, the GIL back). So a whole batch is ONE call:
 #     encode("<|endoftext|>" + doc1 + "<|endoftext|>" + doc2 ..., allowed_special={"<|endoftext|>"})
-# tiktoken cuts the text at each allowed special token, BPE-encodes the pieces between them
-# separately and puts EOT where each special token was: exactly [EOT] + encode(doc1) + [EOT] + ...,
-# which is our shard format, returned as one numpy array. The one catch: a document that itself
-# contains the text "<|endoftext|>" must not get a real EOT inside it, so such (rare) documents
-# are encoded on their own, as ordinary text.
+# tiktoken BPE-encodes the pieces between allowed special tokens separately and puts EOT for each:
+# exactly [EOT] + encode(doc1) + [EOT] + ..., our shard format, as one numpy array. A (rare) document
+# that itself contains the text "<|endoftext|>" must not get a real EOT, so it is encoded on its own.
 
 def encode(enc, text, allowed_special=frozenset()):
     """tiktoken's encode_to_numpy (uint32 ids, no Python list in between), no special-token checks."""
@@ -194,8 +152,7 @@ def encode(enc, text, allowed_special=frozenset()):
     except UnicodeEncodeError:
         # Lone surrogates (e.g. from a "\ud800" escape in JSON) are not valid UTF-8; fix them the way
         # tiktoken's encode_ordinary does, so the ids match tokenizer.encode() exactly.
-        text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-        return enc.encode_to_numpy(text, allowed_special=allowed_special, disallowed_special=())
+        return encode(enc, text.encode("utf-16", "surrogatepass").decode("utf-16", "replace"), allowed_special)
 
 def tokenize_batch(texts):
     """A batch of documents -> (tokens, ends): tokens is uint16, [EOT] + encode(doc) for every
@@ -209,25 +166,20 @@ def tokenize_batch(texts):
         else:
             pieces.append(encode(enc, EOT_TEXT + EOT_TEXT.join(run), allowed_special={EOT_TEXT}))
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, np.uint32)
-
     # Each non-empty document starts with the only EOT in it: ordinary text never encodes to 50256.
     starts, nonempty = np.flatnonzero(tokens == EOT), [bool(t) for t in texts]
     assert len(starts) == sum(nonempty)
     lengths = np.zeros(len(texts), np.int64)
     lengths[nonempty] = np.diff(starts, append=len(tokens))
-    ends = np.cumsum(lengths)
-    if tokens.max(initial=0) >= 2**16:   # impossible with GPT-2's 50,257 ids; a guard, as uint16 would wrap
-        bad = int(np.argmax(tokens >= 2**16))
-        raise OverflowError(int(np.searchsorted(ends, bad, side="right")), int(tokens[bad]))   # (row, id)
-    return tokens.astype(np.uint16), ends
+    # uint16 holds every id: tokenizer.py builds the encoding with explicit_n_vocab=50257, checked by tiktoken
+    return tokens.astype(np.uint16), np.cumsum(lengths)
 
 # -----------------------------------------------------------------------------
 # 3. Shards and the manifest on disk
 
 def atomic_write(path, write):
-    """Write to path.tmp, flush it to the disk, then rename: the rename is atomic, so `path` is
-    either the old file or the complete new one, never a half-written one (even after kill -9 or
-    a power cut)."""
+    """Write to path.tmp, flush it to the disk, then rename: the rename is atomic, so `path` is either the
+    old file or the complete new one, never a half-written one (even after kill -9 or a power cut)."""
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         write(f)
@@ -236,15 +188,10 @@ def atomic_write(path, write):
     os.replace(tmp, path)
 
 def save_manifest(path, manifest):
-    """JSON, one line per shard so that it stays readable with 100 shards."""
-    lines = [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in manifest.items() if k != "shards"]
-    shards = ",\n".join(f"  {json.dumps(s)}" for s in manifest["shards"])
-    text = "{\n" + "\n".join(lines) + '\n "shards": [\n' + shards + "\n ]\n}\n"
-    atomic_write(path, lambda f: f.write(text.encode()))
+    atomic_write(path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
 
 def open_output_dir(out_dir, prefix, config, overwrite):
-    """Start, resume or refuse. Returns the manifest (its "shards" are the ones verified on disk);
-    one without shards is a fresh start, saved by the caller once the input is open."""
+    """Start, resume or refuse: the manifest, its "shards" verified on disk (none: a fresh start)."""
     manifest_path = os.path.join(out_dir, f"{prefix}_manifest.json")
     fresh = {"version": MANIFEST_VERSION, "config": config, "complete": False, "shards": []}
     ours = re.compile(rf"{re.escape(prefix)}_((train|val)_\d{{6}}\.npy|manifest\.json)(\.tmp)?$")
@@ -253,9 +200,8 @@ def open_output_dir(out_dir, prefix, config, overwrite):
             os.remove(os.path.join(out_dir, f))
     if not os.path.exists(manifest_path):
         if os.path.isdir(out_dir) and any(ours.match(f) for f in os.listdir(out_dir)):
-            raise SystemExit(f"error: {out_dir} already holds {prefix}_*.npy shards this script did not make "
-                             f"(there is no {os.path.basename(manifest_path)}); pass --overwrite to replace "
-                             "them, or choose another --output_dir")
+            raise SystemExit(f"error: {out_dir} already holds {prefix}_*.npy shards this script did not make (no "
+                             f"{os.path.basename(manifest_path)}); pass --overwrite, or choose another --output_dir")
         return fresh, manifest_path
     try:
         with open(manifest_path) as f:
@@ -282,34 +228,30 @@ def open_output_dir(out_dir, prefix, config, overwrite):
     return manifest, manifest_path
 
 # -----------------------------------------------------------------------------
-# 4. The pipeline: reading (main thread) -> tokenizer threads -> shards (main thread) -> writer thread
+# 4. The pipeline: reading (main thread) -> tokenizer threads -> cutting and writing shards (main thread)
 
-Batch = collections.namedtuple("Batch", "texts units rows")   # one (unit, row) per text
+Batch = collections.namedtuple("Batch", "texts places")   # one place (unit, row) per text
 
 def read_batches(units, start, batch_chars):
-    """Documents from `start` = (unit, row) on, grouped into batches of about batch_chars characters
-    (big enough that the per-batch overhead vanishes, small enough to keep every worker busy)."""
-    texts, unit_ids, rows, chars = [], [], [], 0
+    """Documents from `start` = (unit, row) on, in batches of about batch_chars characters (big enough
+    that the per-batch overhead vanishes, small enough to keep every worker busy)."""
+    texts, places, chars = [], [], 0
     for u in range(start[0], len(units)):
         for row, text in units[u].read(start[1] if u == start[0] else 0):
             if text is not None and not isinstance(text, str):
                 raise SystemExit(f"error: {units[u].name} row {row}: the text is a {type(text).__name__}, not a string")
             texts.append(text)
-            unit_ids.append(u)
-            rows.append(row)
+            places.append((u, row))
             chars += len(text) if text else 0
             if chars >= batch_chars:
-                yield Batch(texts, unit_ids, rows)
-                texts, unit_ids, rows, chars = [], [], [], 0
+                yield Batch(texts, places)
+                texts, places, chars = [], [], 0
     if texts:
-        yield Batch(texts, unit_ids, rows)
+        yield Batch(texts, places)
 
 class Sharder:
-    """Takes tokenized batches in input order and cuts them into shards; hands each finished shard
-    to a writer thread, which saves it and then records it in the manifest.
-
-    A place in the input is (unit, row, token): the next token to write is token `token` of the
-    document at `row` of input unit `unit` (counting its leading EOT)."""
+    """Takes tokenized batches in input order, cuts them into shards, saves each and records it in the
+    manifest with its end: the place (unit, row, token) of the next token to write (EOT is token 0)."""
 
     def __init__(self, args, manifest, manifest_path):
         self.args, self.manifest, self.manifest_path = args, manifest, manifest_path
@@ -317,18 +259,13 @@ class Sharder:
         self.end = tuple(done[-1]["end"]) if done else (0, 0, 0)   # the place after the last batch
         self.skip = self.end[2]               # resuming inside a document: its first tokens are written
         self.tokens = sum(s["tokens"] for s in done)   # all tokens taken in so far, this run and before
-        # the val shard is shard 0; with --val_tokens 0 there is none and train starts at 1
-        self.index = len(done) + (args.val_tokens == 0)
+        self.index = len(done) + (args.val_tokens == 0)   # val is shard 0; with --val_tokens 0 train starts at 1
         self.parts, self.fill = [], 0         # the shard being filled: token arrays, and their total length
-        self.writer = ThreadPoolExecutor(1)   # one thread, so shards and manifest updates land in order
-        self.writing = None
 
     def add(self, batch, tokens, ends):
         """Append one tokenized batch; returns how many tokens it added."""
-        def place(r, token=0):
-            """The place at token `token` of the batch's row r (r == number of rows: after the batch)."""
-            return (batch.units[r], batch.rows[r], token) if r < len(ends) else (batch.units[-1], batch.rows[-1] + 1, 0)
-
+        def place(r, token=0):   # the place at token `token` of the batch's row r (r == len(ends): after the batch)
+            return (*batch.places[r], token) if r < len(ends) else (batch.places[-1][0], batch.places[-1][1] + 1, 0)
         p, n = self.skip, len(tokens)
         added, self.skip = n - p, 0
         while p < n:
@@ -344,22 +281,17 @@ class Sharder:
             self.fill += cut - p
             p = cut
             if full:
-                self._submit(end)
+                self._write(end)
         self.end = place(len(ends))
         self.tokens += added
         return added
 
-    def _submit(self, end):
+    def _write(self, end):
         split = "val" if self.index == 0 else "train"
         entry = {"file": f"{self.args.prefix}_{split}_{self.index:06d}.npy", "split": split, "end": list(end)}
-        parts, self.parts, self.fill = self.parts, [], 0
-        self.index += 1
-        self.wait()     # at most one finished shard waits in memory while another is written
-        self.writing = self.writer.submit(self._write, entry, parts)
-
-    def _write(self, entry, parts):
         path = os.path.join(self.args.output_dir, entry["file"])
-        tokens = np.concatenate(parts)
+        tokens = np.concatenate(self.parts)
+        self.parts, self.fill, self.index = [], 0, self.index + 1
         try:
             atomic_write(path, lambda f: np.save(f, tokens, allow_pickle=False))
             entry.update(tokens=len(tokens), docs=int(np.count_nonzero(tokens == EOT)), bytes=os.path.getsize(path))
@@ -371,18 +303,11 @@ class Sharder:
     def finish(self):
         """End of input: write what is left (the val shard, if it never filled up, or the last train shard)."""
         if self.fill > 0:
-            self._submit(self.end)
-        self.wait()
+            self._write(self.end)
         self.manifest["complete"] = True
         # (a document that runs on into the next shard is counted once: its EOT is in one shard)
         self.manifest["totals"] = {"tokens": self.tokens, "docs": sum(s["docs"] for s in self.manifest["shards"])}
         save_manifest(self.manifest_path, self.manifest)
-
-    def wait(self):
-        """Wait for the shard being written, if any (re-raising its error)."""
-        if self.writing is not None:
-            writing, self.writing = self.writing, None
-            writing.result()
 
 def tokenize_all(units, manifest, manifest_path, args):
     """The main loop: read, tokenize, cut and write until the input ends."""
@@ -394,19 +319,12 @@ def tokenize_all(units, manifest, manifest_path, args):
     batches = read_batches(units, sharder.end[:2], args.batch_chars)
     bar = tqdm(desc="tokenizing", unit="tok", unit_scale=True, initial=sharder.tokens, smoothing=0.05,
                dynamic_ncols=True)
-
     def consume(batch, future):
-        try:
-            tokens, ends = future.result()
-        except OverflowError as e:
-            row, token = e.args
-            raise SystemExit(f"error: {units[batch.units[row]].name} row {batch.rows[row]}: "
-                             f"token id {token} does not fit in uint16")
-        bar.update(sharder.add(batch, tokens, ends))
+        bar.update(sharder.add(batch, *future.result()))
         bar.set_postfix(shards=len(manifest["shards"]), refresh=False)
-
     # Batches being tokenized, oldest first: results are used in input order. Enough of them are
-    # queued that the workers stay busy while this thread reads the next batch or cuts shards.
+    # queued that the workers stay busy while this thread reads the next batch or writes a shard
+    # (so a writer thread of its own measured no faster).
     pending = collections.deque()
     try:
         for batch in batches:
@@ -419,13 +337,10 @@ def tokenize_all(units, manifest, manifest_path, args):
             raise SystemExit("error: the input holds no text (only empty documents)")
         sharder.finish()
     finally:
-        # normal end, an error or Ctrl-C: stop reading, drop queued batches, but let the shard
-        # being written finish (it is complete: no reason to lose it)
+        # normal end, an error or Ctrl-C: stop reading and drop the queued batches
         bar.close()
         batches.close()
         pool.shutdown(wait=True, cancel_futures=True)
-        sharder.wait()
-        sharder.writer.shutdown()
 
 # -----------------------------------------------------------------------------
 # 5. The command line
@@ -445,13 +360,12 @@ def parse_args(argv=None):
     a("--name", default="sample-10BT", help="its config; '' for none (default: %(default)s)")
     a("--split", default="train", help="its split (default: %(default)s)")
     a("--input", action="append", default=[], metavar="PATH_OR_GLOB",
-      help="local .txt/.jsonl/.json/.parquet files, globs or folders, instead of --dataset (repeatable)")
+      help="local .txt/.jsonl/.parquet files, globs or folders, instead of --dataset (repeatable)")
     a("--text_field", default="text", help="the JSON field / parquet or dataset column with the text (default: text)")
     a("--output_dir", default="edu_fineweb10B", help="where the shards go (default: %(default)s)")
     a("--prefix", default=None, help="shard file prefix (default: edufineweb for --dataset, data for --input)")
     a("--shard_size", type=count, default=10**8, help="tokens per train shard (default: 1e8)")
-    a("--val_tokens", type=count, default=None,
-      help="tokens in the val shard, whole documents so a little more (default: --shard_size; 0: no val shard)")
+    a("--val_tokens", type=count, help="tokens in the val shard, whole documents (default: --shard_size; 0: none)")
     a("--workers", type=int, default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
       else os.cpu_count() or 1, help="tokenizer threads (default: the %(default)s cores this process may use)")
     a("--batch_chars", type=count, default=1_000_000, help="characters of text per tokenizer task (default: 1e6)")
@@ -459,8 +373,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.prefix = ("data" if args.input else "edufineweb") if args.prefix is None else args.prefix
     args.val_tokens = args.shard_size if args.val_tokens is None else args.val_tokens
+    # train_gpt2.py picks shards by "train"/"val" in the file name
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.-]*", args.prefix) or re.search("train|val", args.prefix):
-        # train_gpt2.py picks shards by "train"/"val" in the file name
         p.error(f"--prefix {args.prefix!r}: use letters, digits, '.', '-', and not the words train or val")
     if args.shard_size < 1 or args.workers < 1 or args.batch_chars < 1:
         p.error("--shard_size, --workers and --batch_chars must be at least 1")
@@ -504,37 +418,32 @@ def main(argv=None):
     print(f"{args.output_dir}: {len(shards)} shards ({n_val} val + {len(shards) - n_val} train), "
           f"{totals['tokens']:,} tokens from {totals['docs']:,} documents")
     if n_val == len(shards):
-        print("warning: no train shard: all the input went to val; pass a smaller --val_tokens (with --overwrite)",
-              file=sys.stderr)
+        print("warning: no train shard: all the input went to val; pass a smaller --val_tokens", file=sys.stderr)
     return manifest
 
 def build_demo_shards(out_dir, max_tokens=8_000_000):
     """train_gpt2.py's demo corpus: the Python standard library's own source, which every machine with
     Python has, tokenized into one val and one train shard (kept as a cache in out_dir)."""
-    done = os.path.join(out_dir, "demo_train_000001.npy")
-    if os.path.exists(done):
+    if os.path.exists(os.path.join(out_dir, "demo_train_000001.npy")):
         return
     os.makedirs(out_dir, exist_ok=True)
     stdlib = os.path.dirname(os.__file__)
-    files = sorted(glob.glob(os.path.join(stdlib, "**", "*.py"), recursive=True))
-    files = [f for f in files if "site-packages" not in f and "test" not in os.path.relpath(f, stdlib)]
     docs = []
-    for path in files:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            docs.append(f.read())
-    enc = get_encoding()
+    for path in sorted(glob.glob(os.path.join(stdlib, "**", "*.py"), recursive=True)):
+        if "site-packages" not in path and "test" not in os.path.relpath(path, stdlib):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                docs.append(f.read())
     tokens, n = [], 0
-    for ids in enc.encode_ordinary_batch(docs, num_threads=os.cpu_count() or 1):
+    for ids in get_encoding().encode_ordinary_batch(docs, num_threads=os.cpu_count() or 1):
         tokens.append([EOT] + ids)  # every document starts with <|endoftext|>
         n += len(ids) + 1
         if n >= max_tokens:
             break
     # whole documents only: every 20th goes to val, so no document is split between the two
-    val = np.concatenate([t for i, t in enumerate(tokens) if i % 20 == 0]).astype(np.uint16)
-    train = np.concatenate([t for i, t in enumerate(tokens) if i % 20 != 0]).astype(np.uint16)
-    for name, arr in (("demo_val_000000.npy", val), ("demo_train_000001.npy", train)):
+    val, train = tokens[::20], [t for i, t in enumerate(tokens) if i % 20 != 0]
+    for name, docs in (("demo_val_000000.npy", val), ("demo_train_000001.npy", train)):
         tmp = os.path.join(out_dir, f"{name}.{os.getpid()}.tmp.npy")  # ranks on one host may build at once
-        np.save(tmp, arr)
+        np.save(tmp, np.concatenate(docs).astype(np.uint16))
         os.replace(tmp, os.path.join(out_dir, name))
 
 if __name__ == "__main__":
