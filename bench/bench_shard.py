@@ -1,7 +1,8 @@
 """
 How much memory does sharding save per rank, and what does it cost in speed?
 
-    python bench/bench_shard.py                                   # GPT-2 medium shape, 3 ranks: --shard none vs full
+    python bench/bench_shard.py --modes full                      # GPT-2 medium shape, fully sharded over 3 ranks
+    python bench/bench_shard.py --modes none --ranks 2            # the same under DDP (3 ranks need > 23 GiB)
     python bench/bench_shard.py --model large --modes full        # GPT-2 large, fully sharded over 3 ranks
     python bench/bench_shard.py --model xl --ranks 8 --modes full --steps 2
 
