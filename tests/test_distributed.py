@@ -545,6 +545,43 @@ def test_sharded_resume_on_two_ranks_and_on_one(single, two_ranks_sharded, tmp_p
     assert final_weights_diff(single[0], log_dir) <= TOL
 
 
+def parent_pid(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])  # the field after the state
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def test_sharded_run_killed_with_sigkill_resumes_exactly(data, single, two_ranks_sharded, tmp_path):
+    """A real kill -9 of both ranks of a sharded run once it has trained past its step-3 checkpoint
+    (wherever the kill lands: a save may be half-written), resumed on 2 ranks and, from a copy, on 1."""
+    log_dir = tmp_path / "two" / "log"
+    cmd = [*TORCHRUN, os.path.join(REPO, "train_gpt2.py"), *map(str, tiny_run_args(data, log_dir, *EQUAL, "--shard", "full"))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env(),
+                            cwd=REPO, start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step     4"):
+                break
+    finally:  # torchrun starts each rank in a session of its own: kill the ranks, then the launcher
+        ranks = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if parent_pid(pid) == proc.pid]
+        for pid in ranks:
+            os.kill(pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert len(ranks) == 2
+    assert os.path.isdir(log_dir / "model_00003.dcp") and not os.path.isdir(log_dir / "model_00006.dcp")
+    shutil.copytree(log_dir, tmp_path / "one" / "log")
+    proc = run_launched(["--resume", "--log_dir", log_dir], TORCHRUN, clean_env())
+    assert "model_00003.dcp at step 3" in proc.stdout, proc.stdout.splitlines()[:12]
+    assert read_log(log_dir, "train") == read_log(two_ranks_sharded[0], "train")  # same ranks: bitwise
+    assert printed_digest(proc.stdout, 2) == printed_digest(two_ranks_sharded[1].stdout, 2)
+    proc = run_train(["--resume", "--log_dir", tmp_path / "one" / "log"], env=clean_env(), timeout=LIMIT)
+    assert "model_00003.dcp at step 3" in proc.stdout
+    assert_same_run(single[0], tmp_path / "one" / "log")
+
+
 def test_ddp_checkpoint_resumed_sharded(single, two_ranks, tmp_path):
     log_dir = stopped_after_step_3(two_ranks[0], tmp_path)
     proc = run_launched(["--resume", "--log_dir", log_dir, "--shard", "full"], TORCHRUN, clean_env())
