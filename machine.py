@@ -588,14 +588,14 @@ def build_sharded(build, ranks, bf16, init_weights=True):
     import copy
     with torch.device("meta"):
         model = build()
-    modules = [(n, m) for n, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None]
-    empty_copy = {n: copy.deepcopy(m) for n, m in modules}  # still on meta: no memory yet
+    empty_copy = {n: copy.deepcopy(m) for n, m in model.named_modules()  # still on meta: no memory yet
+                  if next(m.parameters(recurse=False), None) is not None}  # (the modules that own parameters)
     shard_model(model, ranks, bf16)
     model.to_empty(device="cpu")
     if not init_weights:
         return model
-    for name, _ in modules:  # registration order is construction order for GPT
-        copy.deepcopy(empty_copy[name]).to_empty(device="cpu").reset_parameters()
+    for empty in empty_copy.values():  # registration order is construction order for GPT
+        copy.deepcopy(empty).to_empty(device="cpu").reset_parameters()
     order = []
     model.apply(order.append)  # the order GPT.__init__'s self.apply(self._init_weights) visits modules
     name_of = {id(m): n for n, m in model.named_modules()}

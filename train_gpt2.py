@@ -554,8 +554,9 @@ def build_model(args, ranks, ckpt, train_loader):
     """The checkpoint's weights when resuming; else a scratch GPT-2, OpenAI's weights, or one of our checkpoints.
     --shard full: the model is sharded as it is built (see machine.build_sharded), so no rank holds all of it."""
     torch.manual_seed(args.seed)  # same initial weights on every rank
-    shard, bf16 = args.shard == "full" and ranks.world_size > 1, args.dtype == "bf16"
-    build = (lambda config: machine.build_sharded(lambda: GPT(config), ranks, bf16, init_weights=False)) if shard else None
+    shard = args.shard == "full" and ranks.world_size > 1
+    def build(config, init_weights=False):  # sharded: weights given to each rank's pieces, unless init_weights
+        return machine.build_sharded(lambda: GPT(config), ranks, args.dtype == "bf16", init_weights) if shard else GPT(config)
     if ckpt is not None and not ckpt["sharded_path"]:
         model = GPT.from_checkpoint(ckpt, build)
     elif ckpt is None and args.init_from != "scratch":
@@ -563,7 +564,7 @@ def build_model(args, ranks, ckpt, train_loader):
     else:  # from scratch; or the shapes for a sharded checkpoint's weights (read with its AdamW state, in prepare_training)
         config = GPTConfig(**ckpt["config"]) if ckpt is not None else GPTConfig(
             block_size=args.block_size, vocab_size=PADDED_VOCAB_SIZE, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-        model = machine.build_sharded(lambda: GPT(config), ranks, bf16, init_weights=ckpt is None) if shard else GPT(config)
+        model = build(config, init_weights=ckpt is None)
     config, n_params = model.config, sum(p.numel() for p in model.parameters())
     if args.seq_len > config.block_size:
         raise SystemExit(f"error: --seq_len {args.seq_len} is longer than the model's context {config.block_size}")
@@ -666,8 +667,7 @@ def train_step(args, ranks, step, model, optimizer, train_loader, grad_accum_ste
     optimizer.zero_grad(set_to_none=True)
     loss_accum = torch.zeros((), device=ranks.device)
     for micro_step in range(grad_accum_steps):
-        x, y = train_loader.next_batch()
-        x, y = x.to(ranks.device), y.to(ranks.device)
+        x, y = (t.to(ranks.device) for t in train_loader.next_batch())
         # DDP all-reduces gradients during backward (FSDP reduce-scatters them); only the last micro-step needs that
         sync = micro_step == grad_accum_steps - 1 or ranks.world_size == 1
         if ranks.sharded:
