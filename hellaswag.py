@@ -34,7 +34,7 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
-import machine
+from plumbing import cpu
 import tokenizer
 
 DEFAULT_DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hellaswag")
@@ -310,7 +310,7 @@ def main(argv=None):
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | xpu | mps")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="autocast dtype of the forward pass")
     args = p.parse_args(argv)
-    machine.warm_up_vector_math()  # results independent of thread timing (see machine.py)
+    cpu.warm_up_vector_math()  # results independent of thread timing (see plumbing/cpu.py)
 
     # cheap checks first, so a typo fails in a second, not after loading a model
     from train_gpt2 import PRETRAINED_NAMES

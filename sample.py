@@ -22,7 +22,7 @@ from contextlib import nullcontext
 import torch
 from torch.nn import functional as F
 
-import machine
+from plumbing import cpu
 import tokenizer
 
 
@@ -148,7 +148,7 @@ def main(argv=None):
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | xpu | mps")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="autocast dtype of the forward pass")
     args = p.parse_args(argv)
-    machine.warm_up_vector_math()  # results independent of thread timing (see machine.py)
+    cpu.warm_up_vector_math()  # results independent of thread timing (see plumbing/cpu.py)
 
     # every cheap check before loading a model
     if args.ckpt_path and not os.path.exists(args.ckpt_path):

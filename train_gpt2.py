@@ -7,7 +7,7 @@ GPT-2 and its trainer, in one file, for CPUs first (and GPUs too).
 
 Read it top to bottom: the model, the data loader, the learning rate schedule, checkpoints, the stages
 of a run, then main(), the training story. How the processes live on the machine (launchers, threads,
-Intel's libraries, memory, signals, safe files) is in machine.py; generation is in sample.py.
+Intel's libraries, memory, signals, safe files) is in plumbing/; generation is in sample.py.
 """
 import argparse
 import glob
@@ -25,8 +25,10 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-import machine
-from machine import checkpoint_path, list_checkpoints
+import plumbing
+
+from plumbing import checkpoints, cpu, inputs, sharding, speedups, world
+from plumbing.checkpoints import checkpoint_path, list_checkpoints
 
 # -----------------------------------------------------------------------------
 # The model: GPT-2 exactly (pre-LayerNorm transformer, tanh GELU, learned positions, tied lm_head)
@@ -208,7 +210,7 @@ class GPT(nn.Module):
         or a local directory in the same layout (config.json + model.safetensors). build(config) makes the
         model they fill (--shard full: one built sharded); they are read one tensor at a time."""
         from safetensors import safe_open
-        config_file, weights_file = machine.pretrained_files(name_or_path, PRETRAINED_NAMES)
+        config_file, weights_file = inputs.pretrained_files(name_or_path, PRETRAINED_NAMES)
         with open(config_file) as f:
             hf = json.load(f)
         model = (build or cls)(GPTConfig(block_size=hf["n_positions"], vocab_size=hf["vocab_size"],
@@ -230,9 +232,9 @@ class GPT(nn.Module):
                         raise SystemExit(f"error: {weights_file}: {k} has shape {tuple(shape)}, expected {tuple(p.shape)}")
                 for k, p in params.items():
                     w = f.get_tensor(theirs[k])
-                    machine.copy_weight(p, w.t() if k.endswith(transposed) else w)
+                    sharding.copy_weight(p, w.t() if k.endswith(transposed) else w)
         except Exception as e:
-            raise SystemExit(f"error: cannot read {weights_file}: {machine.one_line(e)}")
+            raise SystemExit(f"error: cannot read {weights_file}: {plumbing.one_line(e)}")
         return model
 
     @classmethod
@@ -240,10 +242,10 @@ class GPT(nn.Module):
         """The model in one of our checkpoints (see load_checkpoint); build(config) as in from_pretrained."""
         model = (build or cls)(GPTConfig(**ckpt["config"]))
         if ckpt["sharded_path"]:
-            machine.load_sharded(ckpt["sharded_path"], model)
+            checkpoints.load_sharded(ckpt["sharded_path"], model)
         else:
             for k, p in model.named_parameters():
-                machine.copy_weight(p, ckpt["model"][k])
+                sharding.copy_weight(p, ckpt["model"][k])
         return model
 
     def configure_optimizer(self, weight_decay, learning_rate, device_type):
@@ -270,7 +272,7 @@ def open_shard(path):
     try:
         tokens = np.load(path, mmap_mode="r", allow_pickle=False)
     except Exception as e:
-        raise SystemExit(f"error: cannot read shard {path}: {machine.one_line(e)}")
+        raise SystemExit(f"error: cannot read shard {path}: {plumbing.one_line(e)}")
     if tokens.dtype != np.uint16 or tokens.ndim != 1:
         raise SystemExit(f"error: shard {path} holds {tokens.dtype} of shape {tokens.shape}, expected a 1-D uint16 array")
     if len(tokens) == 0:
@@ -369,14 +371,14 @@ def get_lr(it, warmup_steps, max_steps, max_lr, min_lr):
 
 def load_checkpoint(path):
     """A checkpoint file; or a sharded run's folder, whose meta.pt has all but the weights and AdamW state
-    (machine.load_sharded reads those, each rank its own pieces)."""
+    (checkpoints.load_sharded reads those, each rank its own pieces)."""
     try:
         sharded = os.path.isdir(path)
         ckpt = torch.load(os.path.join(path, "meta.pt") if sharded else path, map_location="cpu", weights_only=True)
         ckpt["sharded_path"] = path if sharded else None
     except Exception as e:
-        raise SystemExit(f"error: cannot load checkpoint {path}: {machine.one_line(e)}")
-    machine.verify_checksums({k: v for k, v in ckpt.items() if k != "checksums"}, ckpt.get("checksums", {}), path)
+        raise SystemExit(f"error: cannot load checkpoint {path}: {plumbing.one_line(e)}")
+    checkpoints.verify_checksums({k: v for k, v in ckpt.items() if k != "checksums"}, ckpt.get("checksums", {}), path)
     return ckpt
 
 def load_model(name_or_path, build=None):
@@ -525,38 +527,38 @@ def check_run(args, ranks):
         if not val_files:
             raise SystemExit(f"error: no shards with 'val' in their name in --data_dir {args.data_dir} (or pass --eval_interval 0)")
         check_enough_tokens([open_shard(f) for f in val_files], val_files, args.seq_len, "val")
-    machine.check_token_ids(train_loader.files + find_shards(args.data_dir, "val"), PADDED_VOCAB_SIZE)  # no model of ours has more
+    inputs.check_token_ids(train_loader.files + find_shards(args.data_dir, "val"), PADDED_VOCAB_SIZE)  # no model of ours has more
     has_run = os.path.exists(os.path.join(args.log_dir, "log.txt")) or list_checkpoints(args.log_dir)
     if has_run and not args.resume and not args.overwrite:
         raise SystemExit(f"error: --log_dir {args.log_dir} already holds a run; continue it with --resume, "
                          "choose another --log_dir, or pass --overwrite to replace it")
-    ranks.lock = machine.lock_folder(args.log_dir) if ranks.master else None  # one run per folder; also: writable?
+    ranks.lock = checkpoints.lock_folder(args.log_dir) if ranks.master else None  # one run per folder; also: writable?
     return train_loader, args.total_batch_size // tokens_per_micro
 
 def start_ranks(args, ranks):
     """Pick the device, join the other ranks (the process group), and set the CPU threads."""
-    ranks.device = machine.pick_device(args.device, ranks.local_rank, ranks.world_size)
+    ranks.device = world.pick_device(args.device, ranks.local_rank, ranks.world_size)
     device_type = ranks.device.split(":")[0]
-    ipex = machine.find_ipex(args.ipex, device_type)  # imported now, applied once the model and optimizer exist
+    ipex = speedups.find_ipex(args.ipex, device_type)  # imported now, applied once the model and optimizer exist
     if ranks.world_size > 1:
         # oneCCL when Intel's bindings are installed (the fastest all-reduce across Xeon nodes), else gloo on CPU
-        backend = machine.choose_backend(args.backend, device_type)
-        where = machine.init_process_group(backend, ranks.rank, ranks.world_size, ranks.local_world,
+        backend = world.choose_backend(args.backend, device_type)
+        where = world.init_process_group(backend, ranks.rank, ranks.world_size, ranks.local_world,
                                            ranks.launcher, args.dist_timeout)
         ranks.print0(f"distributed: {ranks.launcher}, world size {ranks.world_size}, backend {backend}, master {where}")
     if args.shard == "none" or ranks.world_size == 1:  # (sharded, memory is short: what is freed goes back to the OS)
-        machine.keep_freed_memory()
+        cpu.keep_freed_memory()
     if device_type == "cpu":  # one matmul thread per physical core, shared among the ranks on this node
-        ranks.print0(machine.set_cpu_threads(args.threads, ranks.world_size, ranks.local_world))
+        ranks.print0(cpu.set_cpu_threads(args.threads, ranks.world_size, ranks.local_world))
     return ipex
 
 def build_model(args, ranks, ckpt, train_loader):
     """The checkpoint's weights when resuming; else a scratch GPT-2, OpenAI's weights, or one of our checkpoints.
-    --shard full: the model is sharded as it is built (see machine.build_sharded), so no rank holds all of it."""
+    --shard full: the model is sharded as it is built (see sharding.build_sharded), so no rank holds all of it."""
     torch.manual_seed(args.seed)  # same initial weights on every rank
     shard = args.shard == "full" and ranks.world_size > 1
     def build(config, init_weights=False):  # sharded: weights given to each rank's pieces, unless init_weights
-        return machine.build_sharded(lambda: GPT(config), ranks, args.dtype == "bf16", init_weights) if shard else GPT(config)
+        return sharding.build_sharded(lambda: GPT(config), ranks, args.dtype == "bf16", init_weights) if shard else GPT(config)
     if ckpt is not None and not ckpt["sharded_path"]:
         model = GPT.from_checkpoint(ckpt, build)
     elif ckpt is None and args.init_from != "scratch":
@@ -568,9 +570,9 @@ def build_model(args, ranks, ckpt, train_loader):
     config, n_params = model.config, sum(p.numel() for p in model.parameters())
     if args.seq_len > config.block_size:
         raise SystemExit(f"error: --seq_len {args.seq_len} is longer than the model's context {config.block_size}")
-    machine.check_token_ids(train_loader.files + find_shards(args.data_dir, "val"), config.vocab_size, ranks.print0)
+    inputs.check_token_ids(train_loader.files + find_shards(args.data_dir, "val"), config.vocab_size, ranks.print0)
     if ranks.master and args.checkpoint_interval > 0:  # weights and AdamW's two moments, in fp32
-        machine.check_free_space(args.log_dir, 12 * n_params, "a checkpoint")
+        checkpoints.check_free_space(args.log_dir, 12 * n_params, "a checkpoint")
     ranks.print0(f"model: {n_params / 1e6:.2f}M parameters, {config}" + shard * f"\nshard: FSDP2, each rank holds "
                  f"1/{ranks.world_size} of the weights, gradients and AdamW state")
     return model.to(ranks.device)
@@ -583,9 +585,9 @@ def prepare_training(args, ranks, model, ckpt, ckpt_file, train_loader, ipex):
     start_step = 0
     if ckpt is not None:
         if ckpt["sharded_path"]:  # any number of ranks, sharded or not: each reads what it holds
-            machine.load_sharded(ckpt["sharded_path"], model, optimizer)
+            checkpoints.load_sharded(ckpt["sharded_path"], model, optimizer)
         elif ranks.sharded:
-            machine.load_full_optimizer_state(model, optimizer, ckpt["optimizer"])
+            sharding.load_full_optimizer_state(model, optimizer, ckpt["optimizer"])
         else:
             optimizer.load_state_dict(ckpt["optimizer"])
         train_loader.load_state_dict(ckpt["loader"])
@@ -593,13 +595,13 @@ def prepare_training(args, ranks, model, ckpt, ckpt_file, train_loader, ipex):
         start_step = ckpt["step"]
         ranks.print0(f"resumed from {ckpt_file} at step {start_step}")
     if ipex is not None and not ranks.sharded:
-        model, optimizer = machine.apply_ipex(ipex, model, optimizer, args, ranks.print0)
+        model, optimizer = speedups.apply_ipex(ipex, model, optimizer, args, ranks.print0)
     # torch.compile fuses the training forward and backward into C++ kernels (bench/bench_train.py measures it).
     # Evaluation and sampling run the raw model eagerly: their shapes change, and each shape would recompile.
     if args.compile:
-        model = machine.compile_if_possible(model, args, ipex, device_type, ranks.print0)
+        model = speedups.compile_if_possible(model, args, ipex, device_type, ranks.print0)
     if ranks.world_size > 1:  # the same checkpoint on every rank: DDP copies rank 0's weights, but nothing else
-        machine.check_same_start(ranks, start_step)
+        world.check_same_start(ranks, start_step)
     if ranks.world_size > 1 and not ranks.sharded:  # DDP averages the gradients during backward, bucket by bucket
         from torch.nn.parallel import DistributedDataParallel as DDP
         model = DDP(model, device_ids=[ranks.local_rank] if device_type == "cuda" else None)
@@ -654,11 +656,11 @@ def save_checkpoint(args, ranks, step, model, optimizer, train_loader, val_loss,
              "rng": {"torch": torch.get_rng_state()}, "val_loss": val_loss,
              "evaluated": evaluated}  # False: stopped by a signal before this step's evaluations
     if ranks.sharded:
-        machine.save_sharded(checkpoint_path(args.log_dir, step, sharded=True), model, optimizer, state, ranks)
+        checkpoints.save_sharded(checkpoint_path(args.log_dir, step, sharded=True), model, optimizer, state, ranks)
     elif ranks.master:
         state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
-        state["checksums"] = machine.tensor_checksums(state)  # verified by load_checkpoint
-        machine.atomic_save(state, checkpoint_path(args.log_dir, step))
+        state["checksums"] = checkpoints.tensor_checksums(state)  # verified by load_checkpoint
+        checkpoints.atomic_save(state, checkpoint_path(args.log_dir, step))
 
 def train_step(args, ranks, step, model, optimizer, train_loader, grad_accum_steps, autocast):
     """One optimizer step over total_batch_size tokens: grad_accum_steps micro-batches on every rank.
@@ -711,13 +713,13 @@ def count_skipped(args, ranks, step, updated, skipped):
     updated them (weights can be finite and still diverge at once): then older ones are pruned."""
     if updated:
         if ranks.master:
-            machine.prune_checkpoints(args.log_dir, args.keep_checkpoints)
+            checkpoints.prune_checkpoints(args.log_dir, args.keep_checkpoints)
         return 0
     ranks.print0(f"warning: step {step}: the loss is not finite or above {DIVERGED_LOSS:.1f}, or the gradient norm "
                  "is not finite: update skipped")
     if skipped + 1 == MAX_SKIPPED_STEPS:  # every rank gets here alike
         if ranks.master:
-            machine.prune_checkpoints(args.log_dir, 0, newer_than=step - MAX_SKIPPED_STEPS)
+            checkpoints.prune_checkpoints(args.log_dir, 0, newer_than=step - MAX_SKIPPED_STEPS)
         found = list_checkpoints(args.log_dir)
         raise SystemExit(f"error: training diverged: {MAX_SKIPPED_STEPS} steps in a row with a diverged loss or "
                          f"gradient (the last at step {step}); the newest checkpoint that trained on, "
@@ -735,12 +737,12 @@ DIVERGED_LOSS = 2 * math.log(PADDED_VOCAB_SIZE)
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    machine.compile_cache_dir()  # now: building the optimizer already makes torch settle on a cache folder
-    machine.warm_up_vector_math()  # so that a resumed run computes exactly what the uninterrupted one did
-    stop = machine.GracefulStop()  # SIGTERM / Ctrl-C: finish the step, save a checkpoint, exit
+    speedups.compile_cache_dir()  # now: building the optimizer already makes torch settle on a cache folder
+    cpu.warm_up_vector_math()  # so that a resumed run computes exactly what the uninterrupted one did
+    stop = world.GracefulStop()  # SIGTERM / Ctrl-C: finish the step, save a checkpoint, exit
     # How to run is the launcher's decision: torchrun, mpirun and srun each tell every process its rank
     # and the world size in their own variables; without one, we are a single process (world size 1).
-    ranks = machine.Ranks(*machine.detect_launch())
+    ranks = world.Ranks(*world.detect_launch())
     args, ckpt, ckpt_file = resolve_args(argv, ranks)
     train_loader, grad_accum_steps = check_run(args, ranks)
     ipex = start_ranks(args, ranks)
@@ -752,7 +754,7 @@ def main(argv=None):
     device_type = ranks.device.split(":")[0]
     autocast = torch.autocast(device_type=device_type, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
     if ranks.master:  # log.txt, args.json (how the run started: for a --resume before its first checkpoint)
-        machine.prepare_log_dir(args.log_dir, vars(args), overwrite=args.overwrite and not args.resume,
+        checkpoints.prepare_log_dir(args.log_dir, vars(args), overwrite=args.overwrite and not args.resume,
                                 fresh=ckpt_file is None)
     ranks.print0(f"total batch {args.total_batch_size} tokens = {args.batch_size} x {args.seq_len} x "
                  f"{ranks.world_size} rank(s) x {grad_accum_steps} accumulation steps")
@@ -768,7 +770,7 @@ def main(argv=None):
             save_checkpoint(args, ranks, step, raw_model, optimizer, train_loader, val_loss)
         if last_step:
             if ranks.master:
-                machine.prune_checkpoints(args.log_dir, args.keep_checkpoints)
+                checkpoints.prune_checkpoints(args.log_dir, args.keep_checkpoints)
             break
 
         t0 = time.time()
@@ -786,15 +788,15 @@ def main(argv=None):
             exit_code = stop_early(args, ranks, signum, step + 1, raw_model, optimizer, train_loader, save)
             break
 
-    machine.check_same_weights(ranks, raw_model)  # DDP's promise: every rank ends with the same weights
-    machine.report_peak_memory(ranks)
+    world.check_same_weights(ranks, raw_model)  # DDP's promise: every rank ends with the same weights
+    world.report_peak_memory(ranks)
     if ranks.world_size > 1:
-        del model  # DDP's reducer holds the process group: release it first (see machine.leave_process_group)
-        machine.leave_process_group()
+        del model  # DDP's reducer holds the process group: release it first (see world.leave_process_group)
+        world.leave_process_group()
     if exit_code:
         raise SystemExit(exit_code)
     if args.demo:
         print_next_steps(args, ranks)
 
 if __name__ == "__main__":
-    machine.run_main(main)
+    world.run_main(main)

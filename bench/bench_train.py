@@ -16,12 +16,12 @@ resident memory (RSS) of each process.
 A configuration (--a, --b) is a comma-separated list of:
     compile | eager          torch.compile the model, or not
     chunked | full           our fused, chunked lm_head + loss, or F.cross_entropy on the full logits
-    keep | release           keep freed memory for reuse (machine.keep_freed_memory), or let glibc's
+    keep | release           keep freed memory for reuse (cpu.keep_freed_memory), or let glibc's
                              malloc give big blocks back to the OS at every free, as it does by default
     plain                    = eager,full,release: build-nanogpt's step (autocast, cross_entropy on all logits)
     loss_chunk=N             positions per chunk of the chunked loss (train_gpt2.LOSS_CHUNK)
     budget=F                 torch.compile's activation memory budget, 0 < F <= 1 (1: keep all it can
-                             for backward; default machine.ACTIVATION_MEMORY_BUDGET)
+                             for backward; default speedups.ACTIVATION_MEMORY_BUDGET)
     batch_size=N             sequences per micro-step, instead of --batch_size (A/B compares tokens/s)
     threads=N                torch threads (default: physical cores)
     NAME=VALUE               an environment variable for this configuration's process, e.g.
@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 import common  # before train_gpt2: it puts the repository root on sys.path
-import machine
+from plumbing import cpu, speedups
 import train_gpt2
 from train_gpt2 import GPTConfig
 
@@ -122,19 +122,19 @@ def reset_peak_rss():
 
 def worker(cfg, args):
     if cfg["memory"] == "keep":
-        machine.keep_freed_memory()
+        cpu.keep_freed_memory()
     train_gpt2.LOSS_CHUNK = cfg.get("loss_chunk", train_gpt2.LOSS_CHUNK)
     config = GPTConfig(block_size=args.seq_len, vocab_size=train_gpt2.PADDED_VOCAB_SIZE,
                        n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     # both configurations start from the same weights and, drawn next, see the same data
-    raw_model = common.random_model(config, cfg.get("threads") or machine.physical_cores())
+    raw_model = common.random_model(config, cfg.get("threads") or cpu.physical_cores())
     optimizer, _ = raw_model.configure_optimizer(weight_decay=0.1, learning_rate=6e-4, device_type="cpu")
     B = cfg.get("batch_size", args.batch_size)
     batches = [(torch.randint(0, 50257, (B, args.seq_len)), torch.randint(0, 50257, (B, args.seq_len)))
                for _ in range(args.grad_accum)]
     if cfg["compile"]:
-        machine.compile_cache_dir()
-    model = machine.compile_model(raw_model, cfg.get("budget")) if cfg["compile"] else raw_model
+        speedups.compile_cache_dir()
+    model = speedups.compile_model(raw_model, cfg.get("budget")) if cfg["compile"] else raw_model
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     autocast = common.autocast(args.dtype)
 

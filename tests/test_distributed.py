@@ -23,11 +23,12 @@ import time
 import pytest
 import torch
 
-import machine
 import train_gpt2
+from plumbing import checkpoints
 from conftest import REPO, make_shards, read_log, run_train, tiny_run_args
 
-from machine import choose_backend, cpu_list, detect_launch, physical_cores, ranks_sharing_cpus
+from plumbing.world import choose_backend, detect_launch
+from plumbing.cpu import cpu_list, physical_cores, ranks_sharing_cpus
 from train_gpt2 import DataLoader
 
 FAKE_CCL = os.path.join(REPO, "tests", "fake_ccl")
@@ -95,7 +96,7 @@ def printed_digest(stdout, world_size):
 def checkpoint_val(log_dir, step):
     """The full-precision val loss stored in a checkpoint (log.txt rounds it to 4 decimals); a sharded
     run's checkpoint is a folder (model_XXXXX.dcp)."""
-    path = next(f for f in train_gpt2.list_checkpoints(str(log_dir)) if machine.checkpoint_step(f) == step)
+    path = next(f for f in train_gpt2.list_checkpoints(str(log_dir)) if checkpoints.checkpoint_step(f) == step)
     return train_gpt2.load_checkpoint(path)["val_loss"]
 
 
@@ -473,16 +474,17 @@ def test_torchrun_two_ranks_sharded_equals_ddp_and_one_process(single, two_ranks
 BUILD_SHARDED = """
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-import machine, train_gpt2
+import train_gpt2
+from plumbing import sharding, world
 torch.distributed.init_process_group("gloo")
-ranks = machine.Ranks(*machine.detect_launch())
+ranks = world.Ranks(*world.detect_launch())
 config = train_gpt2.GPTConfig(block_size=32, vocab_size=300, n_layer=2, n_head=2, n_embd=16)
 torch.manual_seed(7)
 whole = train_gpt2.GPT(config)  # built whole, then sharded: what a DDP run starts from
 after_whole = torch.get_rng_state()
-machine.shard_model(whole, ranks, bf16=False)
+sharding.shard_model(whole, ranks, bf16=False)
 torch.manual_seed(7)
-built = machine.build_sharded(lambda: train_gpt2.GPT(config), ranks, bf16=False)
+built = sharding.build_sharded(lambda: train_gpt2.GPT(config), ranks, bf16=False)
 assert torch.equal(torch.get_rng_state(), after_whole), "the random generator moved on differently"
 assert built.lm_head.weight is built.transformer.wte.weight, "lm_head is no longer tied"
 a, b = whole.state_dict(), built.state_dict()
@@ -492,7 +494,7 @@ for k in a:
     assert torch.equal(a[k].full_tensor(), b[k].full_tensor()), k
 print("same weights", len(a))
 del whole, built, a, b
-machine.leave_process_group()
+world.leave_process_group()
 """
 
 

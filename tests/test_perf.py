@@ -12,8 +12,8 @@ import torch._dynamo
 import torch._dynamo.utils
 import torch.nn.functional as F
 
-import machine
 import train_gpt2
+from plumbing import speedups
 from conftest import HELLASWAG_EXAMPLES, REPO, make_shards, read_log, run_train, tiny_run_args, write_hellaswag
 from train_gpt2 import GPT, GPTConfig
 
@@ -102,7 +102,7 @@ def train_curve(plain, compile, autocast, steps=20):
     torch.manual_seed(0)
     raw = GPT(SMALL)
     optimizer, _ = raw.configure_optimizer(weight_decay=0.1, learning_rate=1e-3, device_type="cpu")
-    model = machine.compile_model(raw) if compile else raw  # as train_gpt2.py compiles it
+    model = speedups.compile_model(raw) if compile else raw  # as train_gpt2.py compiles it
     data = [batch(seed=s, B=2) for s in range(8)]  # a few batches, seen again and again: the loss falls
     losses = []
     for step in range(steps):
@@ -122,7 +122,7 @@ def train_curve(plain, compile, autocast, steps=20):
 
 def test_training_curves_agree(monkeypatch):
     monkeypatch.setattr(torch._dynamo.config, "disable", False)  # conftest.py turns torch.compile off
-    machine.compile_cache_dir()
+    speedups.compile_cache_dir()
     plain = train_curve(plain=True, compile=False, autocast=None)
     assert plain[-1] < plain[0] - 0.5  # it learns, so the curves compare something
     # fp32: the chunked loss, and torch.compile's fused kernels, change only the rounding
@@ -176,9 +176,10 @@ def test_inference_benchmarks_run(script, args, check):
 
 
 KEEP_FREED = """
-import resource, sys, torch, machine
+import resource, sys, torch
+from plumbing import cpu
 if sys.argv[1] == "keep":
-    assert machine.keep_freed_memory()
+    assert cpu.keep_freed_memory()
 def faults_of_a_big_tensor():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     torch.ones(64 * 2**20 // 4)  # 64 MB, written and freed

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-import machine
+from plumbing import checkpoints
 import train_gpt2
 from conftest import REPO, make_shards, read_log, run_train, tiny_run_args
 
@@ -123,8 +123,8 @@ def test_sigterm_to_every_rank_then_resume_equals_uninterrupted_two_ranks(data, 
 
 
 def test_second_signal_stops_at_once(tmp_path):
-    code = ("import os, signal, time, machine\n"
-            "stop = machine.GracefulStop()\n"
+    code = ("import os, signal, time\nfrom plumbing import world\n"
+            "stop = world.GracefulStop()\n"
             "os.kill(os.getpid(), signal.SIGINT)\n"
             "os.kill(os.getpid(), signal.SIGINT)  # within a second: the same request\n"
             "assert stop.signum == signal.SIGINT\n"
@@ -189,7 +189,7 @@ def rewrite(path, new_path, **changes):
     """A checkpoint with some entries changed, its checksums recomputed (as the trainer writes them)."""
     ckpt = torch.load(path, weights_only=True)
     ckpt.update(changes)
-    ckpt["checksums"] = machine.tensor_checksums({k: v for k, v in ckpt.items() if k != "checksums"})
+    ckpt["checksums"] = checkpoints.tensor_checksums({k: v for k, v in ckpt.items() if k != "checksums"})
     torch.save(ckpt, new_path)
 
 
@@ -313,7 +313,7 @@ def test_full_disk_is_one_line_and_leaves_no_partial_file(data, tmp_path):
         # while writing: a disk that fills up under a save
         target = str(small / "model_00001.pt")
         with pytest.raises(SystemExit) as e:
-            machine.atomic_save({"w": torch.zeros(2_000_000)}, target)
+            checkpoints.atomic_save({"w": torch.zeros(2_000_000)}, target)
         assert re.fullmatch(rf"error: cannot write {re.escape(target)} \(OSError: \[Errno 28\] No space left on device; "
                             r"\d+ MiB free there\)", str(e.value)), e.value
         assert os.listdir(small) == ["log"]  # no model_00001.pt.tmp left behind
@@ -345,7 +345,7 @@ def test_resume_gives_the_same_loss_in_every_process_beside_a_cpu_load(data, tmp
     """oneMKL picks each vector-math kernel at its first call, and when several threads make that call
     at once one of them can compute its chunk with a low-accuracy kernel (pytorch/pytorch#188792): the
     same resume then gives different losses in different processes, a few times in 40. The warm-up in
-    machine.warm_up_vector_math prevents it. Without the warm-up this test fails only now and then."""
+    cpu.warm_up_vector_math prevents it. Without the warm-up this test fails only now and then."""
     log = tmp_path / "log"
     run_train(tiny_run_args(data, log, "--max_steps", "3", "--eval_interval", "0", "--batch_size", "8",
                             "--total_batch_size", "512"))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-import machine
+from plumbing import checkpoints
 import train_gpt2
 from conftest import REPO, make_shards, read_log, run_train, tiny_run_args
 from train_gpt2 import DataLoader, val_batches
@@ -114,7 +114,7 @@ def test_checkpoint_interval_zero_saves_none(tmp_path, shards):
 
 def test_crash_while_saving_leaves_no_truncated_checkpoint(tmp_path, monkeypatch):
     path = str(tmp_path / "model_00010.pt")
-    machine.atomic_save({"step": 10, "w": torch.ones(3)}, path)
+    checkpoints.atomic_save({"step": 10, "w": torch.ones(3)}, path)
 
     def dying_save(obj, f):
         f.write(b"PK\x03\x04 half a checkpoint")
@@ -122,18 +122,18 @@ def test_crash_while_saving_leaves_no_truncated_checkpoint(tmp_path, monkeypatch
 
     monkeypatch.setattr(torch, "save", dying_save)
     with pytest.raises(KeyboardInterrupt):
-        machine.atomic_save({"step": 10, "w": torch.zeros(3)}, path)
+        checkpoints.atomic_save({"step": 10, "w": torch.zeros(3)}, path)
     with pytest.raises(KeyboardInterrupt):
-        machine.atomic_save({"step": 20}, str(tmp_path / "model_00020.pt"))
+        checkpoints.atomic_save({"step": 20}, str(tmp_path / "model_00020.pt"))
     assert train_gpt2.list_checkpoints(str(tmp_path)) == [path]  # no model_00020.pt at all
     assert torch.equal(torch.load(path, weights_only=True)["w"], torch.ones(3))  # old one intact
 
 
 def test_killed_while_saving_leaves_no_truncated_checkpoint(tmp_path):
     # a real SIGKILL in the middle of writing a large checkpoint
-    code = ("import sys, torch, machine\n"
+    code = ("import sys, torch\nfrom plumbing import checkpoints\n"
             "print('writing', flush=True)\n"
-            "machine.atomic_save({'w': torch.zeros(400_000_000 // 4)}, sys.argv[1])\n")
+            "checkpoints.atomic_save({'w': torch.zeros(400_000_000 // 4)}, sys.argv[1])\n")
     path = tmp_path / "model_00001.pt"
     proc = subprocess.Popen([sys.executable, "-c", code, str(path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "writing"

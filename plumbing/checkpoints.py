@@ -1,0 +1,166 @@
+"""
+Run folders and checkpoint files: nothing written is left half-written, a damaged checkpoint is
+refused, one run per folder.
+
+  - names: model_00500.pt (one file), model_00500.dcp (a sharded run's folder, one file per rank)
+  - listing and pruning them; the log folder (log.txt, args.json) and its lock
+  - atomic writes (a temporary file, then a rename) and a check of the free space beforehand
+  - CRC-32 checksums of every tensor, verified on load
+  - sharded (.dcp) checkpoints: each rank saves and loads its own pieces
+"""
+import glob
+import json
+import os
+import re
+import shutil
+import socket
+import zlib
+
+import torch
+
+from plumbing import one_line
+
+
+
+def atomic_save(obj, path):
+    """torch.save to path.tmp, then rename: readers see the old file or the new one, never a mix.
+    A failed write (a full disk, say) removes the partial .tmp and ends with one error line."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        # torch reports a failed write as "[enforce fail at inline_container.cc...]"; the OS's reason is more use
+        cause = e if isinstance(e, OSError) else e.__cause__ or e.__context__ or e
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+        raise SystemExit(f"error: cannot write {path} ({one_line(cause)}; {free / 2**20:.0f} MiB free there)") from None
+    os.replace(tmp, path)
+
+
+def check_free_space(folder, needed, what):
+    """One error line before training when a file we will write cannot fit."""
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise SystemExit(f"error: {folder} has {free / 2**20:.0f} MiB free, but {what} needs about "
+                         f"{needed / 2**20:.0f} MiB: free some space or choose another --log_dir")
+
+
+def checkpoint_path(log_dir, step, sharded=False):
+    return os.path.join(log_dir, f"model_{step:05d}.{'dcp' if sharded else 'pt'}")
+
+
+def checkpoint_step(path):
+    """model_00500.pt (one file) or model_00500.dcp (a folder, one file per rank: sharded runs) -> 500; else None."""
+    m = re.fullmatch(r"model_(\d+)\.(pt|dcp)", os.path.basename(path))
+    return int(m.group(1)) if m else None
+
+
+def list_checkpoints(log_dir):
+    """Our checkpoints, oldest first, by step number (as text, model_100000.pt would sort before model_99999.pt).
+    A folder being written is named *.tmp until it is whole, so it is never listed."""
+    found = [f for f in glob.glob(os.path.join(log_dir, "model_*")) if checkpoint_step(f) is not None]
+    return sorted(found, key=checkpoint_step)
+
+
+def prune_checkpoints(log_dir, keep, newer_than=None):
+    """Keep the newest `keep` (0: all); or, given newer_than=S, delete those after step S."""
+    found = list_checkpoints(log_dir)
+    if newer_than is not None:
+        old = [f for f in found if checkpoint_step(f) > newer_than]
+    else:
+        old = found[:-keep] if keep > 0 else []
+    for f in old:
+        shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)
+
+
+def prepare_log_dir(log_dir, run_args, overwrite, fresh):
+    """log.txt is appended to (--overwrite: emptied, and the old checkpoints deleted). A fresh run records
+    its arguments in args.json, so that a --resume before its first checkpoint starts the same run."""
+    for f in list_checkpoints(log_dir) if overwrite else []:
+        shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)
+    open(os.path.join(log_dir, "log.txt"), "w" if overwrite else "a").close()
+    if fresh:
+        with open(os.path.join(log_dir, "args.json.tmp"), "w") as f:
+            json.dump(run_args, f, indent=1)
+        os.replace(os.path.join(log_dir, "args.json.tmp"), os.path.join(log_dir, "args.json"))
+
+
+def save_sharded(path, model, optimizer, meta, ranks):
+    """A sharded checkpoint: a folder where each rank writes its own pieces (torch.distributed.checkpoint),
+    rank 0 adds meta.pt (step, config, data position, RNG...). It is written as path.tmp and renamed
+    once every rank has finished, so a folder named model_XXXXX.dcp is always whole."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    tmp = path + ".tmp"
+    if ranks.master and os.path.exists(tmp):  # left by a run killed while saving
+        shutil.rmtree(tmp)
+    torch.distributed.barrier()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)  # returns when all have written
+    if ranks.master:
+        atomic_save(meta, os.path.join(tmp, "meta.pt"))
+        if os.path.exists(path):  # the same step saved again (a resumed run re-saving it): same contents
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    torch.distributed.barrier()
+
+
+def load_sharded(path, model, optimizer=None):
+    """The weights (and AdamW state) of a sharded checkpoint, into a model sharded over any number of ranks,
+    or not sharded at all: each rank reads just the pieces it owns now (DCP reshards on load)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    if optimizer is None:
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        return model.load_state_dict(state["model"])
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+
+
+def tensor_checksums(obj, prefix=""):
+    """{path: CRC-32 of the tensor's bytes} for every tensor in a nested dict/list (a checkpoint).
+    CRC-32 catches every single flipped bit and every burst of up to 32, at ~1 GB/s."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        return {prefix: zlib.crc32(t.view(-1).view(torch.uint8).numpy()) if t.numel() else 0}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    sums = {}
+    for k, v in items:
+        sums.update(tensor_checksums(v, f"{prefix}/{k}" if prefix else str(k)))
+    return sums
+
+
+def verify_checksums(obj, expected, path):
+    """A damaged tensor (a bit flipped on disk or in transit) is refused, naming the file and the tensor."""
+    for name, crc in tensor_checksums(obj).items():
+        if expected.get(name, crc) != crc:
+            raise SystemExit(f"error: checkpoint {path} is damaged: tensor {name} does not match its checksum")
+
+
+def lock_folder(folder):
+    """One writer per log folder: an advisory lock, held until this process ends (kill -9 included).
+    Returns the open lock file, which must stay referenced for as long as the lock is wanted."""
+    import fcntl
+    lock_path = os.path.join(folder, "lock")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        f = open(lock_path, "a+")
+    except OSError as e:
+        raise SystemExit(f"error: --log_dir {folder} is not writable ({one_line(e)})") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        raise SystemExit(f"error: --log_dir {folder} is in use by {holder}: one run per folder (if that "
+                         "process is a leftover rank of a killed launcher, kill it first)") from None
+    f.truncate(0)
+    f.write(f"PID {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f

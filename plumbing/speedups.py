@@ -1,0 +1,94 @@
+"""
+The optional ways to make a training step faster: torch.compile (C++ kernels fused for the whole
+step, cached on disk) and Intel Extension for PyTorch (ipex.optimize), each used when it can run.
+"""
+import os
+import shutil
+
+import torch
+
+from plumbing import cache_dir
+
+def find_ipex(mode, device_type):
+    """Intel Extension for PyTorch when --ipex asks for it (on) or allows it (auto) and it can run, else None.
+
+    Optional: Intel stopped developing IPEX after 2.8, and it runs only with the torch minor version
+    it was built for; a mismatch is a clear error with --ipex on and a quiet skip with auto."""
+    if mode == "off":
+        return None
+    if device_type not in ("cpu", "xpu"):
+        if mode == "on":
+            raise SystemExit(f"error: --ipex on needs --device cpu or xpu, not {device_type}")
+        return None
+    import importlib.metadata
+    import importlib.util
+    if importlib.util.find_spec("intel_extension_for_pytorch") is None:
+        if mode == "on":
+            raise SystemExit("error: --ipex on, but intel_extension_for_pytorch is not installed "
+                             "(pip install -r requirements-intel.txt, or pass --ipex off)")
+        return None
+    version = importlib.metadata.version("intel_extension_for_pytorch")
+    if version.split(".")[:2] != torch.__version__.split(".")[:2]:
+        if mode == "on":
+            raise SystemExit(f"error: --ipex on, but intel_extension_for_pytorch {version} needs torch "
+                             f"{'.'.join(version.split('.')[:2])}.*, not {torch.__version__} (see requirements-intel.txt)")
+        return None
+    import intel_extension_for_pytorch as ipex
+    return ipex
+
+
+# -----------------------------------------------------------------------------
+# torch.compile: the first step traces the model and compiles C++ kernels for it (~30 s for
+# GPT-2 124M on 2 cores); the kernels are cached on disk, so a later run starts in a few seconds
+
+
+def compile_cache_dir():
+    """Where torch.compile keeps its kernels: $TORCHINDUCTOR_CACHE_DIR if set, else ~/.cache/gpt2-cpu/inductor
+    (PyTorch's own default, /tmp/torchinductor_$USER, is emptied at every reboot)."""
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir("inductor"))
+
+
+# What forward keeps for backward: left to itself, torch.compile keeps every tensor backward will read
+# (the MLP's input and its GELU output, a bf16 copy of each weight, ...). Given a budget below 1, its
+# partitioner recomputes the cheapest of them during backward instead. Measured at GPT-2 124M, B=4,
+# T=1024 with bench/bench_train.py --ab: budget 1 peaks at 4.0 GiB; 0.9 at 3.2 GiB, 1.02x faster than 0.8
+# and 0.97-1.0x as fast as 1; 0.5 also recomputes attention and is 20% slower.
+ACTIVATION_MEMORY_BUDGET = 0.9
+
+
+def compile_model(model, memory_budget=None):
+    import torch._functorch.config
+    torch._functorch.config.activation_memory_budget = memory_budget or ACTIVATION_MEMORY_BUDGET
+    return torch.compile(model)
+
+
+def can_compile(device_type):
+    """On CPU, torch.compile needs a C++ compiler; without one it would fail at the first step."""
+    return device_type != "cpu" or any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++"))
+
+
+def apply_ipex(ipex, model, optimizer, args, print0):
+    """Intel Extension for PyTorch's optimize(): after any checkpoint is loaded (checkpoints hold plain
+    weights and optimizer state), before DDP (which must wrap the parameters IPEX trains)."""
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    model, optimizer = ipex.optimize(model, optimizer=optimizer, dtype=dtype, inplace=True)  # inplace: no second copy
+    print0(f"ipex: intel_extension_for_pytorch {ipex.__version__}, optimize(dtype={dtype}) "
+           f"(--ipex {args.ipex}; --ipex off to train without it)")
+    return model, optimizer
+
+
+def compile_if_possible(model, args, ipex, device_type, print0):
+    """torch.compile the training model unless something rules it out; sets args.compile to what was done."""
+    if ipex is not None:
+        # measured here: torch.compile over an ipex.optimize'd model leaves the blocks' LayerNorm
+        # parameters without gradients (tests/test_ipex.py), so the two are not combined
+        print0("compile: off, because IPEX optimized the model (--ipex off to compile instead)")
+        args.compile = False
+    elif not can_compile(device_type):
+        print0("warning: --compile needs a C++ compiler (g++ or clang++, or $CXX) and none was found: "
+               "training without it (install one, or pass --no-compile to silence this)")
+        args.compile = False
+    else:
+        print0(f"compile: torch.compile, kernels cached in {compile_cache_dir()}")
+        model = compile_model(model)
+    return model
