@@ -13,6 +13,7 @@ but not to read first. One topic per module:
 
 This file holds the two things they all share: one-line errors and the cache folder.
 """
+import json
 import os
 
 
@@ -26,3 +27,24 @@ def cache_dir(*parts):
     """~/.cache/gpt2-cpu/... (or under $XDG_CACHE_HOME): the demo's shards, compiled kernels, token-id
     scans and measured matmul rates, kept across runs."""
     return os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")), "gpt2-cpu", *parts)
+
+
+def read_json(path):
+    """A small cache file's contents, or {} if it is missing or unreadable."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def write_json(path, obj):
+    """A small cache file, replaced whole: ranks on one host may write at once, each to its own temporary
+    file, and the last rename wins. A read-only cache only makes the next run work it out again."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+            json.dump(obj, f)
+        os.replace(f"{path}.{os.getpid()}.tmp", path)
+    except OSError:
+        pass

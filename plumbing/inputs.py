@@ -2,12 +2,11 @@
 What a run reads besides its arguments: the token ids of its shards (checked against the model's
 vocabulary, the scans cached) and OpenAI's GPT-2 weights (from the Hugging Face hub or a folder).
 """
-import json
 import os
 
 import numpy as np
 
-from plumbing import cache_dir, one_line
+from plumbing import cache_dir, one_line, read_json, write_json
 
 def check_token_ids(files, vocab_size, print0=None):
     """Every token id must have an embedding row: a larger one would crash training when its block comes up.
@@ -26,20 +25,10 @@ def max_token_id(path, tokens):
     st = os.stat(path)
     key = f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}"
     cache_file = cache_dir("max_token_ids.json")
-    try:
-        with open(cache_file) as f:
-            cache = json.load(f)
-    except (OSError, ValueError):
-        cache = {}
+    cache = read_json(cache_file)
     if key not in cache:
         cache[key] = int(tokens.max())
-        try:  # ranks on one host may write at once: each its own temporary file, the last rename wins
-            os.makedirs(os.path.dirname(cache_file), exist_ok=True)
-            with open(f"{cache_file}.{os.getpid()}.tmp", "w") as f:
-                json.dump(cache, f)
-            os.replace(f"{cache_file}.{os.getpid()}.tmp", cache_file)
-        except OSError:
-            pass  # a read-only cache only makes the next run slower
+        write_json(cache_file, cache)
     return cache[key]
 
 
