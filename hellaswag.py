@@ -152,7 +152,8 @@ def load_examples(split="val", data_dir=None, base_url=None):
 #      endings one after another, and give the attention a mask under which each ending sees
 #      the context and itself, never another ending, and the position embeddings restart at the
 #      end of the context for every ending. Every token then sees exactly what it would see in
-#      its own row context + ending, so its hidden state, and its loss, is the same.
+#      its own row context + ending, so its hidden state, and its loss, is the same. GPT.hidden
+#      takes such positions and mask, and returns the hidden states before lm_head.
 #   2. the output layer (n_embd x 50,257+: a third of GPT-2 124M's compute per token, and most
 #      of its memory) runs at every position, though only ending tokens are scored. We apply
 #      it only at the positions that predict an ending token.
@@ -210,22 +211,6 @@ def attention_mask(group):
     return (causal & (same | (group[:, None, :] == -1))).unsqueeze(1)
 
 
-def packed_forward(model, tokens, positions, mask):
-    """GPT.forward written out again, with our positions and attention mask and without lm_head:
-    (B, T) -> (B, T, n_embd). tests/test_hellaswag.py checks it against the plain model(tokens)."""
-    tr = model.transformer
-    x = tr.wte(tokens) + tr.wpe(positions)
-    for block in tr.h:
-        attn, h = block.attn, block.ln_1(x)
-        B, T, C = h.size()
-        q, k, v = (t.view(B, T, attn.n_head, C // attn.n_head).transpose(1, 2)
-                   for t in attn.c_attn(h).split(C, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        x = x + attn.c_proj(y.transpose(1, 2).reshape(B, T, C))
-        x = x + block.mlp(block.ln_2(x))
-    return tr.ln_f(x)
-
-
 def autocast_for(device, dtype):
     if dtype == "bf16":
         return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
@@ -247,7 +232,7 @@ def score_endings(model, rendered, device="cpu", dtype="fp32", batch_size=16, pr
         tokens, positions, group, prev = (t.to(device) for t in pack([rendered[i] for i in chunk]))
         rows, cols = (group >= 0).nonzero(as_tuple=True)  # every ending token, in row-major order
         with autocast_for(device, dtype):
-            h = packed_forward(model, tokens, positions, attention_mask(group))
+            h = model.hidden(tokens, positions, attention_mask(group))  # (B, T, n_embd): no lm_head yet
             logits = model.lm_head(h[rows, prev[rows, cols]])  # (ending tokens, vocab)
         # the same cross-entropy as training, over the model's whole (possibly padded) vocabulary
         losses = F.cross_entropy(logits.float(), tokens[rows, cols], reduction="none")

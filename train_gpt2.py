@@ -49,23 +49,20 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v for all heads at once
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.RESIDUAL_SCALE_INIT = True
-        self.n_head = config.n_head
-        self.n_embd = config.n_embd
+        self.n_head, self.n_embd = config.n_head, config.n_embd
 
-    def forward(self, x, kv_cache=None, layer=0):
-        """kv_cache: generation's memory of the keys and values seen so far (sample.py's KVCache)."""
+    def forward(self, x, kv_cache=None, layer=0, attn_mask=None):
+        """kv_cache: generation's memory of the keys and values seen so far (sample.py's KVCache); attn_mask: see GPT.hidden."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         # (B, T, C) -> (B, n_head, T, head_size): heads become a batch dimension
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         pos = kv_cache.pos if kv_cache is not None else 0
-        if kv_cache is not None:
-            k, v = kv_cache.update(layer, k, v)
-        if pos == 0:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:  # new queries at pos..pos+T-1 see every cached key, and the new ones up to themselves
-            mask = torch.ones(T, pos + T, dtype=torch.bool, device=x.device).tril(diagonal=pos) if T > 1 else None
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (one new query sees all: no mask)
+        k, v = kv_cache.update(layer, k, v) if kv_cache is not None else (k, v)
+        if attn_mask is None and pos > 0 and T > 1:  # new queries see every cached key, and the new ones up to themselves
+            attn_mask = torch.ones(T, pos + T, dtype=torch.bool, device=x.device).tril(diagonal=pos)
+        # no mask left: causal from position 0 (is_causal: no mask tensor is made), or one new query, which sees all
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None and pos == 0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads side by side
         return self.c_proj(y)
 
@@ -90,11 +87,10 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, kv_cache=None, layer=0):
+    def forward(self, x, kv_cache=None, layer=0, attn_mask=None):
         # pre-LayerNorm: the residual stream itself is never normalized, which keeps gradients clean
-        x = x + self.attn(self.ln_1(x), kv_cache, layer)
-        x = x + self.mlp(self.ln_2(x))
-        return x
+        x = x + self.attn(self.ln_1(x), kv_cache, layer, attn_mask)
+        return x + self.mlp(self.ln_2(x))
 
 # The loss: lm_head and cross-entropy fused, a chunk of positions at a time.
 #
@@ -188,21 +184,26 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx, targets=None, kv_cache=None):
-        B, T = idx.size()
+    def hidden(self, idx, positions=None, attn_mask=None, kv_cache=None):
+        """Token ids (B, T) -> hidden states after ln_f (B, T, n_embd); forward adds lm_head or the loss. A method of its own
+        so hellaswag.py can run lm_head on only the positions it scores, in rows it packs with its own positions (B, T; default
+        0..T-1, on from kv_cache's) and attn_mask (bool, True = may attend, broadcast to (B, n_head, T, keys); default causal)."""
+        T = idx.size(1)
         start = kv_cache.pos if kv_cache is not None else 0
-        assert start + T <= self.config.block_size, f"sequence of {start + T} > block_size {self.config.block_size}"
-        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        if positions is None:  # (given ones may outnumber block_size: a packed row of 4 endings can be longer)
+            assert start + T <= self.config.block_size, f"sequence of {start + T} > block_size {self.config.block_size}"
+            positions = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(positions)
         for layer, block in enumerate(self.transformer.h):
-            x = block(x, kv_cache, layer)
+            x = block(x, kv_cache, layer, attn_mask)
         if kv_cache is not None:
             kv_cache.pos += T
-        x = self.transformer.ln_f(x)
-        if targets is None:
-            return self.lm_head(x), None
-        # training and validation need only the loss: the logits are never all materialized (see below)
-        return None, lm_head_loss(x, self.lm_head.weight, targets)
+        return self.transformer.ln_f(x)
+
+    def forward(self, idx, targets=None, kv_cache=None):
+        x = self.hidden(idx, kv_cache=kv_cache)
+        # training and validation need only the loss: the logits are never all materialized (see lm_head_loss)
+        return (self.lm_head(x), None) if targets is None else (None, lm_head_loss(x, self.lm_head.weight, targets))
 
     @classmethod
     def from_pretrained(cls, name_or_path, build=None):
@@ -255,8 +256,7 @@ class GPT(nn.Module):
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
         # fused AdamW runs the whole update in one kernel; PyTorch has it for CPU since 2.4
         fused = device_type in ("cpu", "cuda", "xpu")
-        optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused)
-        return optimizer, fused
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused), fused
 
 PRETRAINED_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 PADDED_VOCAB_SIZE = 50304  # 50257 rounded up to a multiple of 128: friendlier matrix shapes

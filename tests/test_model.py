@@ -101,6 +101,29 @@ def test_causality():
     assert not torch.allclose(a[0, 10:], b[0, 10:], atol=1e-3)
 
 
+def test_hidden_takes_positions_and_mask():
+    """GPT.hidden: forward is lm_head on it; positions 0..T-1 and a causal mask are its defaults; two segments
+    packed in one row (hellaswag.py's way), each with its own positions and blind to the other, equal the two
+    run apart, even when the row is longer than block_size (64); and a KV cache takes several new tokens at once."""
+    torch.manual_seed(0)
+    model = GPT(SMALL).eval()
+    idx = torch.randint(0, 50257, (2, 70))
+    a, b = idx[:, :40], idx[:, 40:]
+    causal = torch.ones(70, 70, dtype=torch.bool).tril()
+    with torch.no_grad():
+        h = model.hidden(a)
+        assert torch.equal(model(a)[0], model.lm_head(h))
+        torch.testing.assert_close(model.hidden(a, torch.arange(40).expand(2, 40), causal[:40, :40]), h)
+        second = torch.arange(70) >= 40
+        packed = model.hidden(idx, torch.cat((torch.arange(40), torch.arange(30))).expand(2, 70),
+                              causal & (second[:, None] == second[None, :]))
+        torch.testing.assert_close(packed[:, :40], h)
+        torch.testing.assert_close(packed[:, 40:], model.hidden(b))
+        kv_cache = sample.KVCache(SMALL.n_layer, SMALL.block_size)
+        model.hidden(a[:, :25], kv_cache=kv_cache)
+        torch.testing.assert_close(model.hidden(a[:, 25:], kv_cache=kv_cache), h[:, 25:])
+
+
 def test_gradient_accumulation_equals_big_batch():
     torch.manual_seed(0)
     model = GPT(SMALL)
