@@ -14,6 +14,7 @@ All ranks share this machine's cores, so tokens/s is a comparison between modes,
 import argparse
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -21,7 +22,9 @@ import tempfile
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import common
+
+REPO = common.REPO
 SHAPES = {"small": (12, 12, 768), "medium": (24, 16, 1024), "large": (36, 20, 1280), "xl": (48, 25, 1600)}
 
 def run(mode, args, data_dir, log_dir):
@@ -32,7 +35,10 @@ def run(mode, args, data_dir, log_dir):
            "--total_batch_size", args.seq_len * args.ranks, "--max_steps", args.steps, "--warmup_steps", 1,
            "--eval_interval", 0, "--sample_interval", 0, "--hellaswag_interval", 0, "--checkpoint_interval", 0,
            "--no-compile", "--dtype", args.dtype, "--shard", mode]
-    proc = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, cwd=REPO)
+    # SIGTERM, not SIGKILL, when this script dies: torchrun then stops its ranks too (they stop at the next
+    # step, and torchrun kills those that take too long); killed outright it would leave them running
+    proc = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, cwd=REPO,
+                          preexec_fn=common.die_with_parent(signal.SIGTERM))
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
         return {"mode": mode, "error": f"exit {proc.returncode}: {tail}"}

@@ -191,7 +191,8 @@ class Worker:
         env = dict(os.environ, **cfg.get("env", {}))
         worker_args = [a for a in sys.argv[1:] if a not in ("--ab", "--profile")]
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *worker_args, "--worker", json.dumps(cfg)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                     preexec_fn=common.die_with_parent())
         self.info = self.ask(None)
 
     def ask(self, command):

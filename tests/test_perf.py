@@ -1,9 +1,12 @@
 """The optimized training step computes what the plain one does; --compile works with everything
 the training loop does; bench/bench_train.py runs. Nothing here is timed: speed is bench/'s job,
 and timings in tests fail at random on shared machines."""
+import glob
 import os
+import signal
 import subprocess
 import sys
+import time
 from contextlib import nullcontext
 
 import pytest
@@ -160,6 +163,60 @@ def test_bench_runs_tiny():
     out = proc.stdout
     assert "A  eager,chunked,keep,loss_chunk=48,threads=1" in out and "B  eager,full,release,threads=1" in out
     assert "per-pair ratios" in out and "GiB" in out and "MFU" in out
+
+
+def process_state(pid):
+    """A process's state letter from /proc/<pid>/stat (R, S, Z for a zombie, ...), None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]  # after the command name, which may hold spaces
+    except OSError:
+        return None
+
+
+def children(pid):
+    """The processes whose parent is pid, from /proc/*/stat (its 4th field)."""
+    kids = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(stat.split("/")[2]))
+        except (OSError, IndexError, ValueError):
+            pass  # it ended while we read
+    return kids
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's prctl")
+def test_bench_workers_die_with_their_parent(tmp_path):
+    # A benchmark killed with SIGKILL (a test's timeout, kill -9) cannot stop its workers. Killed between
+    # steps, a worker notices: its stdin ends. Killed during a step, it would compute to the end of the
+    # step, unaware; so the parent dies here during a long one (100,000 micro-steps of a tiny model).
+    cmd = [sys.executable, os.path.join("bench", "bench_train.py"), "--a", "eager,threads=1", "--dtype", "fp32",
+           "--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--seq_len", "16", "--batch_size", "1",
+           "--grad_accum", "100000", "--steps", "1000"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", XDG_CACHE_HOME=str(tmp_path))
+    parent = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    worker = None
+    try:
+        for line in parent.stdout:  # A's line comes once its worker is ready; then the parent asks for a step
+            if line.startswith("A: "):
+                break
+        else:
+            raise AssertionError(f"bench_train.py exited with {parent.wait()} before its worker was ready")
+        (worker,) = children(parent.pid)
+        time.sleep(1)  # well into the step
+        assert process_state(worker) not in (None, "Z")
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while process_state(worker) not in (None, "Z") and time.monotonic() < deadline:  # a zombie is dead
+            time.sleep(0.1)
+        assert process_state(worker) in (None, "Z"), "the worker outlived its parent"
+    finally:
+        parent.kill()
+        if worker and process_state(worker) not in (None, "Z"):
+            os.kill(worker, signal.SIGKILL)  # the failing case must not leave it computing
 
 
 @pytest.mark.parametrize("script, args, check", [
