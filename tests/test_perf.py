@@ -152,16 +152,23 @@ def test_compile_with_val_hellaswag_and_sampling(tmp_path):
     assert len(read_log(tmp_path / "log", "train")) == 4
 
 
-def test_bench_runs_tiny():
-    # eager A: the compiled step is tested above, and every compilation costs CI half a minute
+def test_bench_runs_tiny(tmp_path):
+    # eager A: the compiled step is tested above, and every compilation costs CI half a minute.
+    # A takes --dtype auto, so it runs bf16 only where this CPU computes it fast: on a CPU without native
+    # bf16 a bf16 step of this model (its 50,304-row lm_head) would take minutes. B says fp32 itself.
     cmd = [sys.executable, os.path.join(REPO, "bench", "bench_train.py"), "--ab", "--steps", "2", "--warmup", "1",
            "--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--seq_len", "32", "--batch_size", "2",
-           "--grad_accum", "2", "--a", "eager,loss_chunk=48,threads=1", "--b", "plain,threads=1"]
+           "--grad_accum", "2", "--a", "eager,loss_chunk=48,threads=1", "--b", "plain,fp32,threads=1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          env=dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    assert "A  eager,chunked,keep,loss_chunk=48,threads=1" in out and "B  eager,full,release,threads=1" in out
+    a_dtype = "bf16" if "A: eager,chunked,keep,bf16," in out else "fp32"
+    assert f"A: eager,chunked,keep,{a_dtype},loss_chunk=48,threads=1" in out, out
+    assert f"A  eager,chunked,keep,{a_dtype},loss_chunk=48,threads=1" in out and "B  eager,full,release,fp32,threads=1" in out
+    assert f"; dtype: {a_dtype} (" in out and "; dtype: fp32 (--dtype fp32;" in out  # each worker says why
+    assert "cpu: " in out and "native bf16: " in out  # the CPU every figure comes from
+    assert f"of this CPU's {a_dtype} matmul rate" in out and "of this CPU's fp32 matmul rate" in out
     assert "per-pair ratios" in out and "GiB" in out and "MFU" in out
 
 
@@ -223,13 +230,15 @@ def test_bench_workers_die_with_their_parent(tmp_path):
     ("bench_generate.py", ["--new_tokens", "3"], "the same tokens both ways"),
     ("bench_hellaswag.py", ["--model", "demo", "--rounds", "1", "--batch_sizes", "2"], "all methods picked the same endings"),
 ])
-def test_inference_benchmarks_run(script, args, check):
-    # run as the README says, from the repository root; each script checks that its ways agree
-    cmd = [sys.executable, os.path.join("bench", script), *args, "--threads", "1"]
+def test_inference_benchmarks_run(script, args, check, tmp_path):
+    # run as the README says, from the repository root; each script checks that its ways agree, which
+    # only fp32 promises (bf16 rounds differently in each way and may flip a near tie)
+    cmd = [sys.executable, os.path.join("bench", script), *args, "--threads", "1", "--dtype", "fp32"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          env=dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert check in proc.stdout
+    assert "cpu: " in proc.stdout and "dtype: fp32 (--dtype fp32;" in proc.stdout
 
 
 KEEP_FREED = """
