@@ -2,7 +2,7 @@
 How much faster is generating with the KV cache than recomputing the whole sequence every step?
 
     python bench/bench_generate.py                      # GPT-2 (124M) shape, random weights, 256 new tokens
-    python bench/bench_generate.py --new_tokens 512 --dtype bf16
+    python bench/bench_generate.py --new_tokens 512 --dtype fp32   # default: auto, bf16 where this CPU has it natively
 
 The weights are random (GPT(GPTConfig())): speed does not depend on them, and it needs no download.
 Both ways decode greedily from the same prompt, so in fp32 they produce the same tokens (the script
@@ -17,6 +17,7 @@ import time
 import torch
 
 import common  # before tokenizer and train_gpt2: it puts the repository root on sys.path
+from plumbing import cpu
 import sample
 import tokenizer
 from train_gpt2 import GPTConfig
@@ -40,6 +41,9 @@ def main():
     common.add_dtype_and_threads(p)
     args = p.parse_args()
     model = common.random_model(GPTConfig(), args.threads).eval()  # GPT-2 (124M) shape
+    args.dtype, dtype_line = common.resolve_dtype(args.dtype, model.config.n_embd)  # now that the threads are set
+    print(cpu.describe_cpu(torch.get_num_threads()))
+    print(dtype_line)
     idx = torch.tensor([tokenizer.encode(args.prompt)] * args.num_samples)
     n = args.new_tokens
     print(f"GPT-2 124M shape, random weights; {idx.size(1)}-token prompt, {n} new tokens x {args.num_samples}; "

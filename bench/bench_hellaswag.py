@@ -2,7 +2,7 @@
 How much faster is hellaswag.py's scoring than build-nanogpt's one example per forward pass?
 
     python bench/bench_hellaswag.py                     # GPT-2 (124M) shape, random weights, 4 rounds of 16 examples
-    python bench/bench_hellaswag.py --rounds 8 --batch_sizes 8 16 32 --dtype bf16
+    python bench/bench_hellaswag.py --rounds 8 --batch_sizes 8 16 32 --dtype fp32   # default: auto
     python bench/bench_hellaswag.py --model demo        # the small model of train_gpt2.py --demo
 
 The weights are random (GPT(GPTConfig())): speed does not depend on them, and it needs no download.
@@ -25,6 +25,7 @@ from torch.nn import functional as F
 import common  # before hellaswag, tokenizer and train_gpt2: it puts the repository root on sys.path
 import hellaswag
 import tokenizer
+from plumbing import cpu
 from train_gpt2 import DEMO_ARGS, PADDED_VOCAB_SIZE, GPTConfig
 
 
@@ -85,6 +86,9 @@ def main():
     demo_shape = {k: DEMO_ARGS[k] for k in ("n_layer", "n_head", "n_embd", "block_size")}
     config = GPTConfig() if args.model == "124M" else GPTConfig(vocab_size=PADDED_VOCAB_SIZE, **demo_shape)
     model = common.random_model(config, args.threads).eval()
+    args.dtype, dtype_line = common.resolve_dtype(args.dtype, config.n_embd)  # now that the threads are set
+    print(cpu.describe_cpu(torch.get_num_threads()))
+    print(dtype_line)
     rounds = synthetic_rounds(args.rounds, max(args.batch_sizes))
     rendered = [[hellaswag.render_example(ex, config.block_size) for ex in exs] for exs in rounds]
     flat = [r for rnd in rendered for r in rnd]

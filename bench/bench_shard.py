@@ -14,14 +14,19 @@ All ranks share this machine's cores, so tokens/s is a comparison between modes,
 import argparse
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 
 import numpy as np
+import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import common  # before plumbing: it puts the repository root on sys.path
+from plumbing import cpu
+
+REPO = common.REPO
 SHAPES = {"small": (12, 12, 768), "medium": (24, 16, 1024), "large": (36, 20, 1280), "xl": (48, 25, 1600)}
 
 def run(mode, args, data_dir, log_dir):
@@ -32,7 +37,10 @@ def run(mode, args, data_dir, log_dir):
            "--total_batch_size", args.seq_len * args.ranks, "--max_steps", args.steps, "--warmup_steps", 1,
            "--eval_interval", 0, "--sample_interval", 0, "--hellaswag_interval", 0, "--checkpoint_interval", 0,
            "--no-compile", "--dtype", args.dtype, "--shard", mode]
-    proc = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, cwd=REPO)
+    # SIGTERM, not SIGKILL, when this script dies: torchrun then stops its ranks too (they stop at the next
+    # step, and torchrun kills those that take too long); killed outright it would leave them running
+    proc = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, cwd=REPO,
+                          preexec_fn=common.die_with_parent(signal.SIGTERM))
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
         return {"mode": mode, "error": f"exit {proc.returncode}: {tail}"}
@@ -46,10 +54,15 @@ def main():
     p.add_argument("--ranks", type=int, default=3)
     p.add_argument("--modes", default="none,full", help="comma-separated --shard values, run one after the other")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    common.add_dtype(p)
     p.add_argument("--seq_len", type=int, default=1024)
     args = p.parse_args()
     n_layer, n_head, n_embd = SHAPES[args.model]
+    # auto is decided here, for the threads each rank will have (its share of the cores), and passed on
+    torch.set_num_threads(max(1, cpu.physical_cores() // args.ranks))
+    args.dtype, dtype_line = common.resolve_dtype(args.dtype, n_embd)
+    print(cpu.describe_cpu(torch.get_num_threads()) + " per rank")
+    print(dtype_line)
     n_params = 12 * n_layer * n_embd**2 + 50304 * n_embd + 1024 * n_embd  # blocks, embeddings (lm_head tied)
     print(f"GPT-2 {args.model} shape: {n_params / 1e6:.0f}M parameters, {args.ranks} ranks, B=1, T={args.seq_len}, {args.dtype}; "
           f"training state (weights, gradients, AdamW) {16 * n_params / 2**30:.1f} GiB in all")

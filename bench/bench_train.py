@@ -1,24 +1,32 @@
 """
 How fast does a GPT-2 training step run on this machine, and how much memory does it take?
 
-    python bench/bench_train.py                          # our training step: GPT-2 (124M), B=4, T=1024, bf16
+    python bench/bench_train.py                          # our training step: GPT-2 (124M), B=4, T=1024
     python bench/bench_train.py --ab                     # lock-step A/B: our step (A) against the plain one (B)
+    python bench/bench_train.py --ab --b plain,bf16      # ... against build-nanogpt's CPU path as written
     python bench/bench_train.py --ab --b compile,full    # what the chunked loss brings to the compiled step
     python bench/bench_train.py --ab --b release         # what keeping freed memory brings
     python bench/bench_train.py --profile                # where the time of one step goes (torch.profiler)
 
 A step is what train_gpt2.py does per optimizer step: --grad_accum forward+backward passes of
-B x T tokens, gradient clipping, AdamW. It reports tokens/s; MFU, the share of the machine's
-matrix-multiply peak that the step's FLOPs take at that speed (the peak: the fastest of the
-2048 x 2048 x 2048 matmuls, in the step's dtype, timed here after every step); and the peak
-resident memory (RSS) of each process.
+B x T tokens, gradient clipping, AdamW. It reports tokens/s; MFU, the share of this CPU's matmul
+rate that the step's FLOPs take at that speed (the rate: the fastest of the probes timed after every
+pair of steps, each a matmul of the model's shape, (M, n_embd) @ (n_embd, 4 n_embd), in the
+configuration's dtype, by plumbing.cpu); and the peak resident memory (RSS) of each process. The
+header names the CPU (model, vector ISA, native bf16 or not): every figure is that CPU's.
+
+--dtype auto (the default): bf16 where this CPU computes it natively and faster than fp32, else fp32
+(plumbing.cpu.choose_dtype; without native bf16 a bf16 matmul runs ~200x slower). Each worker decides
+for itself, on its own threads, and the header says why.
 
 A configuration (--a, --b) is a comma-separated list of:
     compile | eager          torch.compile the model, or not
     chunked | full           our fused, chunked lm_head + loss, or F.cross_entropy on the full logits
     keep | release           keep freed memory for reuse (cpu.keep_freed_memory), or let glibc's
                              malloc give big blocks back to the OS at every free, as it does by default
-    plain                    = eager,full,release: build-nanogpt's step (autocast, cross_entropy on all logits)
+    fp32 | bf16              the dtype (bf16: under autocast); default: --dtype, resolved
+    plain                    = eager,full,release: build-nanogpt's step (cross_entropy on all logits), in the
+                             dtype of --dtype; plain,bf16 is its CPU path as written (autocast bf16 always)
     loss_chunk=N             positions per chunk of the chunked loss (train_gpt2.LOSS_CHUNK)
     budget=F                 torch.compile's activation memory budget, 0 < F <= 1 (1: keep all it can
                              for backward; default speedups.ACTIVATION_MEMORY_BUDGET)
@@ -26,7 +34,7 @@ A configuration (--a, --b) is a comma-separated list of:
     threads=N                torch threads (default: physical cores)
     NAME=VALUE               an environment variable for this configuration's process, e.g.
                              LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
-Omitted items keep the defaults of train_gpt2.py: compile, chunked, keep.
+Omitted items keep the defaults of train_gpt2.py, compile, chunked, keep, and the dtype of --dtype.
 
 Why lock-step: shared and cloud machines change speed by 2x within minutes (other jobs, turbo,
 noisy neighbours), so two configurations timed one after the other compare the machine's moods
@@ -64,6 +72,8 @@ def parse_config(text):
             cfg["loss"] = item
         elif item in ("keep", "release"):
             cfg["memory"] = item
+        elif item in ("fp32", "bf16"):
+            cfg["dtype"] = item
         elif item == "plain":
             cfg.update(compile=False, loss="full", memory="release")
         elif key in ("loss_chunk", "threads", "batch_size") and value.isdigit() and int(value) > 0:
@@ -78,7 +88,7 @@ def parse_config(text):
 
 
 def describe(cfg):
-    words = ["compile" if cfg["compile"] else "eager", cfg["loss"], cfg["memory"]]
+    words = ["compile" if cfg["compile"] else "eager", cfg["loss"], cfg["memory"]] + [cfg["dtype"]] * ("dtype" in cfg)
     words += [f"{k}={cfg[k]}" for k in ("batch_size", "loss_chunk", "threads", "budget") if k in cfg]
     words += [f"{k}={os.path.basename(v)}" for k, v in cfg.get("env", {}).items()]
     return ",".join(words)
@@ -86,19 +96,6 @@ def describe(cfg):
 
 # -----------------------------------------------------------------------------
 # The worker: one configuration in its own process, stepping when told to
-
-
-def gemm_peak(dtype, n=2048, reps=5):
-    """The machine's matmul ceiling right now: GFLOP/s of the best of a few n x n x n matmuls."""
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
-    a @ b  # warm-up: oneDNN picks and caches its kernel
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best / 1e9
 
 
 def peak_rss():
@@ -135,8 +132,10 @@ def worker(cfg, args):
     if cfg["compile"]:
         speedups.compile_cache_dir()
     model = speedups.compile_model(raw_model, cfg.get("budget")) if cfg["compile"] else raw_model
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    autocast = common.autocast(args.dtype)
+    # the dtype, decided here: the matmul rates that decide are those of this process's threads
+    dtype_name, dtype_line = common.resolve_dtype(cfg.get("dtype", args.dtype), args.n_embd)
+    dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
+    autocast = common.autocast(dtype_name)
 
     def step():
         # the inner loop of train_gpt2.py, without data loading, DDP and logging
@@ -156,19 +155,20 @@ def worker(cfg, args):
             loss.backward()
         torch.nn.utils.clip_grad_norm_(raw_model.parameters(), 1.0)
         optimizer.step()
-        dt, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        dt, cpu_time = time.perf_counter() - t0, time.process_time() - cpu0
         # page faults: memory the allocator gave back to the OS and asked for again, zero-filled
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-        return {"dt": dt, "cpu": cpu, "loss": loss_accum, "faults": faults}
+        return {"dt": dt, "cpu": cpu_time, "loss": loss_accum, "faults": faults}
 
     n_params = sum(p.numel() for p in raw_model.parameters())
-    print(json.dumps({"n_params": n_params, "threads": torch.get_num_threads()}), flush=True)  # ready
+    print(json.dumps({"n_params": n_params, "threads": torch.get_num_threads(),  # ready
+                      "dtype": dtype_name, "dtype_line": dtype_line}), flush=True)
     for line in sys.stdin:  # one command per line, one JSON reply per line
         command = line.strip()
         if command == "step":
             reply = step()
-        elif command == "peak":
-            reply = {"peak": gemm_peak(dtype)}
+        elif command == "rate":  # this CPU's matmul rate now, in this dtype at the model's shape: a fresh probe
+            reply = {"rate": cpu.measure_matmul_rate(dtype, args.n_embd, 0.05)}
         elif command == "profile":
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -191,8 +191,10 @@ class Worker:
         env = dict(os.environ, **cfg.get("env", {}))
         worker_args = [a for a in sys.argv[1:] if a not in ("--ab", "--profile")]
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *worker_args, "--worker", json.dumps(cfg)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                     preexec_fn=common.die_with_parent())
         self.info = self.ask(None)
+        self.cfg["dtype"] = self.info["dtype"]  # resolved by the worker
 
     def ask(self, command):
         if command is not None:
@@ -224,7 +226,7 @@ def main():
     p.add_argument("--batch_size", type=int, default=4)
     p.add_argument("--seq_len", type=int, default=1024)
     p.add_argument("--grad_accum", type=int, default=1, help="micro-steps per optimizer step")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    common.add_dtype(p)
     p.add_argument("--n_layer", type=int, default=12)
     p.add_argument("--n_head", type=int, default=12)
     p.add_argument("--n_embd", type=int, default=768)
@@ -239,15 +241,14 @@ def main():
     workers = [Worker(name, cfg, args) for name, cfg in configs]
     info = workers[0].info
     tokens = {w.name: w.cfg.get("batch_size", args.batch_size) * args.seq_len * args.grad_accum for w in workers}
-    # FLOPs per token of training (forward + backward): 6 per parameter (2 forward, 4 backward) plus
-    # attention's scores and weighted sum, 12 * n_layer * n_embd * T (PaLM, appendix B)
-    flops_per_token = 6 * info["n_params"] + 12 * args.n_layer * args.n_embd * args.seq_len
+    flops_per_token = cpu.flops_per_token(info["n_params"], args.n_layer, args.n_embd, args.seq_len)
     print(f"GPT: {args.n_layer} layers, {args.n_embd} wide, {info['n_params'] / 1e6:.2f}M parameters; "
-          f"B={args.batch_size} T={args.seq_len}, {args.grad_accum} micro-step(s) per step, "
-          f"{args.dtype}; {flops_per_token / 1e9:.3f} GFLOP per token")
-    print(f"machine: {os.cpu_count()} CPUs, {info['threads']} torch threads, torch {torch.__version__}")
+          f"B={args.batch_size} T={args.seq_len}, {args.grad_accum} micro-step(s) per step; "
+          f"{flops_per_token / 1e9:.3f} GFLOP per token")
+    # which CPU every figure below comes from: its model, vector ISA and whether it has native bf16
+    print(f"{cpu.describe_cpu(info['threads'])}; {os.cpu_count()} CPUs, torch {torch.__version__}")
     for w in workers:
-        print(f"{w.name}: {describe(w.cfg)}, {tokens[w.name]} tokens per step")
+        print(f"{w.name}: {describe(w.cfg)}, {tokens[w.name]} tokens per step; {w.info['dtype_line']}")
 
     # warm-up, one configuration after the other: the first step compiles
     first = {}
@@ -261,21 +262,22 @@ def main():
         print(f"profile of one step of A ({r['dt']:.2f} s):\n{r['table']}")
     warmup_peak = {w.name: w.ask("reset_peak") for w in workers}
 
-    # measured steps, interleaved, with a matmul-peak probe in every pair
+    # measured steps, interleaved; after every pair each worker probes the matmul rate in its dtype
     results = {w.name: [] for w in workers}
-    peaks = []
+    rates = {w.name: [] for w in workers}
     ratios, cpu_ratios = [], []
     header = " ".join(f"{w.name + ' s':>8} {w.name + ' loss':>9}" for w in workers)
-    print(f"{'step':>4} {header} {'matmul GFLOP/s':>14}" + (f" {'A:B':>6} {'cpu A:B':>7}" if args.ab else "")
-          + "  load")
+    print(f"{'step':>4} {header} " + " ".join(f"{w.name + ' GFLOP/s':>10}" for w in workers)
+          + (f" {'A:B':>6} {'cpu A:B':>7}" if args.ab else "") + "  load")
     for i in range(args.steps):
         order = workers if i % 2 == 0 else workers[::-1]
         now = {w.name: w.ask("step") for w in order}
-        peaks.append(workers[0].ask("peak")["peak"])
+        for w in workers:
+            rates[w.name].append(w.ask("rate")["rate"])
         for name, r in now.items():
             results[name].append(r)
         cols = " ".join(f"{now[w.name]['dt']:8.2f} {now[w.name]['loss']:9.4f}" for w in workers)
-        line = f"{i + 1:4d} {cols} {peaks[-1]:14.0f}"
+        line = f"{i + 1:4d} {cols} " + " ".join(f"{rates[w.name][-1]:10.0f}" for w in workers)
         if args.ab:
             # tokens/s of A over tokens/s of B: with the same batch size, B's step time over A's
             ratios.append(tokens["A"] / now["A"]["dt"] / (tokens["B"] / now["B"]["dt"]))
@@ -288,17 +290,23 @@ def main():
     width = max(len(describe(w.cfg)) for w in workers)
     print(f"{'':2} {'configuration':<{width}} {'tokens/s':>9} {'MFU':>6} {'peak RSS':>9} {'faults/step':>11} "
           f"{'first step':>10} {'warm-up RSS':>11}")
+    mfu = {}
     for w in workers:
         med = statistics.median(r["dt"] for r in results[w.name])
         faults = statistics.median(r["faults"] for r in results[w.name])
         rss = w.close()
         if not warmup_peak[w.name]["reset"]:  # no way to reset it here: the peak since the start
             rss = max(rss, warmup_peak[w.name]["peak_rss"])
-        mfu = tokens[w.name] / med * flops_per_token / (max(peaks) * 1e9)
-        print(f"{w.name:2} {describe(w.cfg):<{width}} {tokens[w.name] / med:9.0f} {mfu:6.1%} "
+        # against the fastest probe: the machine's noise only ever slows a probe down
+        mfu[w.name] = tokens[w.name] / med * flops_per_token / (max(rates[w.name]) * 1e9)
+        print(f"{w.name:2} {describe(w.cfg):<{width}} {tokens[w.name] / med:9.0f} {mfu[w.name]:6.1%} "
               f"{rss / 2**30:5.2f} GiB {faults:11.0f} {first[w.name]:8.1f} s {warmup_peak[w.name]['peak_rss'] / 2**30:7.2f} GiB")
-    print(f"tokens/s: of the median step. MFU: its FLOPs against the matmul peak, {max(peaks):.0f} GFLOP/s "
-          "(the fastest probe).\n"
+    for w in workers:
+        print(f"{w.name}: {mfu[w.name]:.1%} of this CPU's {w.cfg['dtype']} matmul rate, {max(rates[w.name]):.0f} GFLOP/s "
+              f"(the fastest probe)")
+    print(f"tokens/s: of the median step. MFU: the step's FLOPs per second ({flops_per_token / 1e9:.3f} GFLOP per token)\n"
+          f"against this CPU's matmul rate in the configuration's dtype, at the model's shape (M, {args.n_embd}) @ "
+          f"({args.n_embd}, {4 * args.n_embd}),\nas probed after every pair (GFLOP/s columns above).\n"
           "A:B: A's tokens/s over B's, in that pair. cpu A:B: the same in CPU time (all threads of each process),\n"
           "which leaves out the time other jobs held the cores: steadier than wall time on a busy machine.\n"
           "peak RSS: the process's most resident memory during the measured steps; warm-up RSS: during warm-up,\n"
@@ -307,6 +315,7 @@ def main():
     if args.ab:
         print(f"A/B: A is {statistics.median(ratios):.2f}x B (median of {len(ratios)} per-pair ratios; "
               f"min {min(ratios):.2f}, max {max(ratios):.2f}); in CPU time {statistics.median(cpu_ratios):.2f}x")
+
 
 if __name__ == "__main__":
     main()

@@ -1,9 +1,12 @@
 """The optimized training step computes what the plain one does; --compile works with everything
 the training loop does; bench/bench_train.py runs. Nothing here is timed: speed is bench/'s job,
 and timings in tests fail at random on shared machines."""
+import glob
 import os
+import signal
 import subprocess
 import sys
+import time
 from contextlib import nullcontext
 
 import pytest
@@ -149,30 +152,93 @@ def test_compile_with_val_hellaswag_and_sampling(tmp_path):
     assert len(read_log(tmp_path / "log", "train")) == 4
 
 
-def test_bench_runs_tiny():
-    # eager A: the compiled step is tested above, and every compilation costs CI half a minute
+def test_bench_runs_tiny(tmp_path):
+    # eager A: the compiled step is tested above, and every compilation costs CI half a minute.
+    # A takes --dtype auto, so it runs bf16 only where this CPU computes it fast: on a CPU without native
+    # bf16 a bf16 step of this model (its 50,304-row lm_head) would take minutes. B says fp32 itself.
     cmd = [sys.executable, os.path.join(REPO, "bench", "bench_train.py"), "--ab", "--steps", "2", "--warmup", "1",
            "--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--seq_len", "32", "--batch_size", "2",
-           "--grad_accum", "2", "--a", "eager,loss_chunk=48,threads=1", "--b", "plain,threads=1"]
+           "--grad_accum", "2", "--a", "eager,loss_chunk=48,threads=1", "--b", "plain,fp32,threads=1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          env=dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    assert "A  eager,chunked,keep,loss_chunk=48,threads=1" in out and "B  eager,full,release,threads=1" in out
+    a_dtype = "bf16" if "A: eager,chunked,keep,bf16," in out else "fp32"
+    assert f"A: eager,chunked,keep,{a_dtype},loss_chunk=48,threads=1" in out, out
+    assert f"A  eager,chunked,keep,{a_dtype},loss_chunk=48,threads=1" in out and "B  eager,full,release,fp32,threads=1" in out
+    assert f"; dtype: {a_dtype} (" in out and "; dtype: fp32 (--dtype fp32;" in out  # each worker says why
+    assert "cpu: " in out and "native bf16: " in out  # the CPU every figure comes from
+    assert f"of this CPU's {a_dtype} matmul rate" in out and "of this CPU's fp32 matmul rate" in out
     assert "per-pair ratios" in out and "GiB" in out and "MFU" in out
+
+
+def process_state(pid):
+    """A process's state letter from /proc/<pid>/stat (R, S, Z for a zombie, ...), None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]  # after the command name, which may hold spaces
+    except OSError:
+        return None
+
+
+def children(pid):
+    """The processes whose parent is pid, from /proc/*/stat (its 4th field)."""
+    kids = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(stat.split("/")[2]))
+        except (OSError, IndexError, ValueError):
+            pass  # it ended while we read
+    return kids
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's prctl")
+def test_bench_workers_die_with_their_parent(tmp_path):
+    # A benchmark killed with SIGKILL (a test's timeout, kill -9) cannot stop its workers. Killed between
+    # steps, a worker notices: its stdin ends. Killed during a step, it would compute to the end of the
+    # step, unaware; so the parent dies here during a long one (100,000 micro-steps of a tiny model).
+    cmd = [sys.executable, os.path.join("bench", "bench_train.py"), "--a", "eager,threads=1", "--dtype", "fp32",
+           "--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--seq_len", "16", "--batch_size", "1",
+           "--grad_accum", "100000", "--steps", "1000"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", XDG_CACHE_HOME=str(tmp_path))
+    parent = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    worker = None
+    try:
+        for line in parent.stdout:  # A's line comes once its worker is ready; then the parent asks for a step
+            if line.startswith("A: "):
+                break
+        else:
+            raise AssertionError(f"bench_train.py exited with {parent.wait()} before its worker was ready")
+        (worker,) = children(parent.pid)
+        time.sleep(1)  # well into the step
+        assert process_state(worker) not in (None, "Z")
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while process_state(worker) not in (None, "Z") and time.monotonic() < deadline:  # a zombie is dead
+            time.sleep(0.1)
+        assert process_state(worker) in (None, "Z"), "the worker outlived its parent"
+    finally:
+        parent.kill()
+        if worker and process_state(worker) not in (None, "Z"):
+            os.kill(worker, signal.SIGKILL)  # the failing case must not leave it computing
 
 
 @pytest.mark.parametrize("script, args, check", [
     ("bench_generate.py", ["--new_tokens", "3"], "the same tokens both ways"),
     ("bench_hellaswag.py", ["--model", "demo", "--rounds", "1", "--batch_sizes", "2"], "all methods picked the same endings"),
 ])
-def test_inference_benchmarks_run(script, args, check):
-    # run as the README says, from the repository root; each script checks that its ways agree
-    cmd = [sys.executable, os.path.join("bench", script), *args, "--threads", "1"]
+def test_inference_benchmarks_run(script, args, check, tmp_path):
+    # run as the README says, from the repository root; each script checks that its ways agree, which
+    # only fp32 promises (bf16 rounds differently in each way and may flip a near tie)
+    cmd = [sys.executable, os.path.join("bench", script), *args, "--threads", "1", "--dtype", "fp32"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          env=dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert check in proc.stdout
+    assert "cpu: " in proc.stdout and "dtype: fp32 (--dtype fp32;" in proc.stdout
 
 
 KEEP_FREED = """
