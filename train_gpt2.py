@@ -218,8 +218,6 @@ class GPT(nn.Module):
                                           n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"]))
         # save_pretrained() writes 'transformer.h.0...', OpenAI's upload has no prefix; the attention
         # 'bias' buffers are causal masks, and lm_head is tied to wte, so neither is loaded.
-        # OpenAI's checkpoints use a 'Conv1D' module: a Linear whose weight is stored transposed.
-        transposed = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
         params = dict(model.named_parameters())  # (lm_head.weight is wte's: named once)
         try:
             with safe_open(weights_file, framework="pt") as f:
@@ -228,12 +226,12 @@ class GPT(nn.Module):
                 if missing:
                     raise SystemExit(f"error: {weights_file} lacks {len(missing)} GPT-2 tensors, e.g. {missing[0]}")
                 for k, p in params.items():
-                    shape = f.get_slice(theirs[k]).get_shape()[::-1 if k.endswith(transposed) else 1]
+                    shape = f.get_slice(theirs[k]).get_shape()[::-1 if k.endswith(CONV1D_WEIGHTS) else 1]
                     if tuple(shape) != tuple(p.shape):
                         raise SystemExit(f"error: {weights_file}: {k} has shape {tuple(shape)}, expected {tuple(p.shape)}")
                 for k, p in params.items():
                     w = f.get_tensor(theirs[k])
-                    sharding.copy_weight(p, w.t() if k.endswith(transposed) else w)
+                    sharding.copy_weight(p, w.t() if k.endswith(CONV1D_WEIGHTS) else w)
         except Exception as e:
             raise SystemExit(f"error: cannot read {weights_file}: {plumbing.one_line(e)}")
         return model
@@ -259,6 +257,8 @@ class GPT(nn.Module):
         return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused), fused
 
 PRETRAINED_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+# OpenAI's checkpoints use a 'Conv1D' module: a Linear whose weight is stored transposed, (in, out)
+CONV1D_WEIGHTS = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 PADDED_VOCAB_SIZE = 50304  # 50257 rounded up to a multiple of 128: friendlier matrix shapes
 
 # -----------------------------------------------------------------------------
@@ -429,7 +429,8 @@ def build_parser(defaults=True):
     a("--resume", nargs="?", const="latest", default=d(None),
       help="continue from the newest checkpoint in --log_dir, or from the given file")
     a("--overwrite", action="store_true", default=d(False), help="start afresh in a --log_dir that holds a run")
-    a("--dtype", choices=["bf16", "fp32"], default=d("bf16"), help="autocast dtype of the forward pass")
+    a("--dtype", choices=["auto", "bf16", "fp32"], default=d("auto"), help="precision of the forward pass; auto = bf16 "
+      "where it is fast (a CPU with AVX512-BF16 or AMX, measured; a GPU that has it), else fp32")
     a("--compile", action=argparse.BooleanOptionalAction, default=d(True),
       help="torch.compile the training step (--no-compile: run it eagerly)")
     a("--device", default=d("auto"), help="auto | cpu | cuda | cuda:N | xpu")
@@ -536,7 +537,8 @@ def check_run(args, ranks):
     return train_loader, args.total_batch_size // tokens_per_micro
 
 def start_ranks(args, ranks):
-    """Pick the device, join the other ranks (the process group), and set the CPU threads."""
+    """Pick the device, join the other ranks (the process group), set the CPU threads, find IPEX and
+    choose the dtype. Returns (ipex module or None, 'bf16' or 'fp32')."""
     ranks.device = world.pick_device(args.device, ranks.local_rank, ranks.world_size)
     device_type = ranks.device.split(":")[0]
     ipex = speedups.find_ipex(args.ipex, device_type)  # imported now, applied once the model and optimizer exist
@@ -550,15 +552,22 @@ def start_ranks(args, ranks):
         cpu.keep_freed_memory()
     if device_type == "cpu":  # one matmul thread per physical core, shared among the ranks on this node
         ranks.print0(cpu.set_cpu_threads(args.threads, ranks.world_size, ranks.local_world))
-    return ipex
+        ranks.print0(cpu.describe_cpu(torch.get_num_threads()))
+    dtype, why = speedups.resolve_dtype(args.dtype, device_type, args.n_embd)
+    if ranks.world_size > 1 and args.dtype == "auto":  # bf16 only if every rank computes it fast: ranks agree
+        everyone = ranks.all_reduce_sum(torch.tensor(float(dtype == "bf16"), device=ranks.device))
+        if dtype == "bf16" and everyone < ranks.world_size:
+            dtype, why = "fp32", "dtype: fp32 (some ranks' CPUs have no fast bf16)"
+    ranks.print0(why)
+    return ipex, dtype
 
-def build_model(args, ranks, ckpt, train_loader):
+def build_model(args, ranks, ckpt, train_loader, dtype):
     """The checkpoint's weights when resuming; else a scratch GPT-2, OpenAI's weights, or one of our checkpoints.
     --shard full: the model is sharded as it is built (see sharding.build_sharded), so no rank holds all of it."""
     torch.manual_seed(args.seed)  # same initial weights on every rank
     shard = args.shard == "full" and ranks.world_size > 1
     def build(config, init_weights=False):  # sharded: weights given to each rank's pieces, unless init_weights
-        return sharding.build_sharded(lambda: GPT(config), ranks, args.dtype == "bf16", init_weights) if shard else GPT(config)
+        return sharding.build_sharded(lambda: GPT(config), ranks, dtype == "bf16", init_weights) if shard else GPT(config)
     if ckpt is not None and not ckpt["sharded_path"]:
         model = GPT.from_checkpoint(ckpt, build)
     elif ckpt is None and args.init_from != "scratch":
@@ -577,7 +586,7 @@ def build_model(args, ranks, ckpt, train_loader):
                  f"1/{ranks.world_size} of the weights, gradients and AdamW state")
     return model.to(ranks.device)
 
-def prepare_training(args, ranks, model, ckpt, ckpt_file, train_loader, ipex):
+def prepare_training(args, ranks, model, ckpt, ckpt_file, train_loader, ipex, dtype):
     """The optimizer, the resumed state, then the wrappers: IPEX, torch.compile, DDP. Returns (model, optimizer, first step)."""
     device_type = ranks.device.split(":")[0]
     optimizer, fused = model.configure_optimizer(args.weight_decay, args.max_lr, device_type)
@@ -595,22 +604,23 @@ def prepare_training(args, ranks, model, ckpt, ckpt_file, train_loader, ipex):
         start_step = ckpt["step"]
         ranks.print0(f"resumed from {ckpt_file} at step {start_step}")
     if ipex is not None and not ranks.sharded:
-        model, optimizer = speedups.apply_ipex(ipex, model, optimizer, args, ranks.print0)
+        model, optimizer = speedups.apply_ipex(ipex, model, optimizer, dtype, ranks.print0)
     # torch.compile fuses the training forward and backward into C++ kernels (bench/bench_train.py measures it).
     # Evaluation and sampling run the raw model eagerly: their shapes change, and each shape would recompile.
+    compiled = False
     if args.compile:
-        model = speedups.compile_if_possible(model, args, ipex, device_type, ranks.print0)
+        model, compiled = speedups.compile_if_possible(model, ipex, device_type, ranks.print0)
     if ranks.world_size > 1:  # the same checkpoint on every rank: DDP copies rank 0's weights, but nothing else
         world.check_same_start(ranks, start_step)
     if ranks.world_size > 1 and not ranks.sharded:  # DDP averages the gradients during backward, bucket by bucket
         from torch.nn.parallel import DistributedDataParallel as DDP
         model = DDP(model, device_ids=[ranks.local_rank] if device_type == "cuda" else None)
-    return model, optimizer, start_step
+    return model, optimizer, start_step, compiled
 
-def evaluate(args, ranks, step, model, autocast, due):
+def evaluate(args, ranks, step, model, dtype, due):
     """This step's evaluations, each when due: val loss, HellaSwag, samples. Returns the val loss (or None)."""
     model.eval()
-    val_loss = None
+    val_loss, autocast = None, speedups.autocast(dtype, ranks.device.split(":")[0])
     if due(args.eval_interval):  # the same val tokens whatever the batch size or world size
         stats = torch.zeros(2, dtype=torch.float64, device=ranks.device)  # summed loss, token count
         batches = val_batches(args.data_dir, args.seq_len, args.val_tokens, args.batch_size, ranks.rank, ranks.world_size)
@@ -633,7 +643,7 @@ def evaluate(args, ranks, step, model, autocast, due):
         args.hellaswag_interval = 0
     if due(args.hellaswag_interval):
         import hellaswag
-        acc = hellaswag.accuracy_during_training(model, args.hellaswag_dir, ranks, args.dtype, args.batch_size)
+        acc = hellaswag.accuracy_during_training(model, args.hellaswag_dir, ranks, dtype, args.batch_size)
         if acc is None:
             args.hellaswag_interval = 0  # no data is no reason to stop training: it is just not measured
         else:
@@ -745,14 +755,14 @@ def main(argv=None):
     ranks = world.Ranks(*world.detect_launch())
     args, ckpt, ckpt_file = resolve_args(argv, ranks)
     train_loader, grad_accum_steps = check_run(args, ranks)
-    ipex = start_ranks(args, ranks)
+    ipex, dtype = start_ranks(args, ranks)
 
-    raw_model = build_model(args, ranks, ckpt, train_loader)  # the plain GPT: evaluation and sampling run it eagerly
-    model, optimizer, start_step = prepare_training(args, ranks, raw_model, ckpt, ckpt_file, train_loader, ipex)
+    raw_model = build_model(args, ranks, ckpt, train_loader, dtype)  # the plain GPT: evaluation and sampling run it eagerly
+    model, optimizer, start_step, compiled = prepare_training(args, ranks, raw_model, ckpt, ckpt_file, train_loader, ipex, dtype)
     evaluated = ckpt is not None and ckpt.get("evaluated", True)  # were start_step's evaluations done already?
     del ckpt
     device_type = ranks.device.split(":")[0]
-    autocast = torch.autocast(device_type=device_type, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
+    autocast = speedups.autocast(dtype, device_type)
     if ranks.master:  # log.txt, args.json (how the run started: for a --resume before its first checkpoint)
         checkpoints.prepare_log_dir(args.log_dir, vars(args), overwrite=args.overwrite and not args.resume,
                                 fresh=ckpt_file is None)
@@ -765,7 +775,7 @@ def main(argv=None):
         # a resumed run already did the evals and the checkpoint of its first step (unless a signal stopped it)
         periodic = step > start_step or not evaluated
         due = lambda interval: periodic and interval > 0 and (step % interval == 0 or last_step)  # noqa: E731
-        val_loss = evaluate(args, ranks, step, raw_model, autocast, due)
+        val_loss = evaluate(args, ranks, step, raw_model, dtype, due)
         if due(args.checkpoint_interval) and step > 0 and not skipped:
             save_checkpoint(args, ranks, step, raw_model, optimizer, train_loader, val_loss)
         if last_step:
@@ -780,7 +790,7 @@ def main(argv=None):
                      f"dt {dt * 1000:.0f}ms | tok/sec {args.total_batch_size / dt:.0f}")
         append_log(args.log_dir, ranks, f"{step} train {loss:.6f}", f"{step} tok/s {args.total_batch_size / dt:.0f}")
         first_dt = dt if step == start_step else first_dt
-        if args.compile and step == start_step + 1:  # the first step's extra time went to compiling (0 if cached)
+        if compiled and step == start_step + 1:  # the first step's extra time went to compiling (0 if cached)
             ranks.print0(f"compile: took about {max(first_dt - dt, 0):.1f} s, during the first step")
         skipped = count_skipped(args, ranks, step, updated, skipped)
         if signum := stop.agreed(ranks):

@@ -1,13 +1,42 @@
 """
-The optional ways to make a training step faster: torch.compile (C++ kernels fused for the whole
-step, cached on disk) and Intel Extension for PyTorch (ipex.optimize), each used when it can run.
+The ways to make a step faster: the precision (bf16 where this machine computes it fast, else fp32),
+torch.compile (C++ kernels fused for the whole step, cached on disk) and Intel Extension for PyTorch
+(ipex.optimize), each used when it can run.
 """
 import os
 import shutil
+from contextlib import nullcontext
 
 import torch
 
-from plumbing import cache_dir
+from plumbing import cache_dir, cpu
+
+# -----------------------------------------------------------------------------
+# The precision: --dtype auto|bf16|fp32. bf16 halves the bytes every matmul reads and, on a CPU with
+# AVX512-BF16 or AMX, more than doubles its rate; on one without (AVX2: most laptops, many cloud VMs),
+# PyTorch's fallback for bf16 matmuls runs ~150x slower than fp32 (1 vs 170 GFLOP/s, pytorch#118499).
+
+
+def resolve_dtype(requested, device_type, width):
+    """--dtype auto|bf16|fp32 -> ('bf16' or 'fp32', the line that says why). On a CPU: bf16 where it is
+    native and measured faster at the model's width (cpu.choose_dtype); call it once torch's threads are
+    set, as the rates are those of these threads. On a GPU: bf16 where the device supports it."""
+    if device_type == "cpu":
+        rates = {"bf16": cpu.matmul_rate(torch.bfloat16, width), "fp32": cpu.matmul_rate(torch.float32, width)}
+        return cpu.choose_dtype(requested, cpu.native_bf16(), rates)
+    if requested != "auto":
+        return requested, f"dtype: {requested} (--dtype {requested})"
+    fast = device_type == "xpu" or (device_type == "cuda" and torch.cuda.is_bf16_supported())
+    return ("bf16", f"dtype: bf16 ({device_type})") if fast else ("fp32", f"dtype: fp32 ({device_type} without bf16)")
+
+
+def autocast(dtype, device_type):
+    """The forward pass in `dtype`: 'bf16' runs it under autocast (matmuls in bf16, softmax and norms in
+    fp32, weights kept in fp32); 'fp32' is plain PyTorch."""
+    if dtype not in ("bf16", "fp32"):
+        raise ValueError(f"dtype must be 'bf16' or 'fp32', not {dtype!r}")
+    return torch.autocast(device_type, dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
+
 
 def find_ipex(mode, device_type):
     """Intel Extension for PyTorch when --ipex asks for it (on) or allows it (auto) and it can run, else None.
@@ -67,28 +96,27 @@ def can_compile(device_type):
     return device_type != "cpu" or any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++"))
 
 
-def apply_ipex(ipex, model, optimizer, args, print0):
-    """Intel Extension for PyTorch's optimize(): after any checkpoint is loaded (checkpoints hold plain
-    weights and optimizer state), before DDP (which must wrap the parameters IPEX trains)."""
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+def apply_ipex(ipex, model, optimizer, dtype, print0):
+    """Intel Extension for PyTorch's optimize(), for the run's dtype ('bf16' or 'fp32'): after any checkpoint
+    is loaded (checkpoints hold plain weights and optimizer state), before DDP (which must wrap the
+    parameters IPEX trains)."""
+    dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     model, optimizer = ipex.optimize(model, optimizer=optimizer, dtype=dtype, inplace=True)  # inplace: no second copy
     print0(f"ipex: intel_extension_for_pytorch {ipex.__version__}, optimize(dtype={dtype}) "
-           f"(--ipex {args.ipex}; --ipex off to train without it)")
+           f"(--ipex off to train without it)")
     return model, optimizer
 
 
-def compile_if_possible(model, args, ipex, device_type, print0):
-    """torch.compile the training model unless something rules it out; sets args.compile to what was done."""
+def compile_if_possible(model, ipex, device_type, print0):
+    """torch.compile the training model unless something rules it out. Returns (model, whether compiled)."""
     if ipex is not None:
         # measured here: torch.compile over an ipex.optimize'd model leaves the blocks' LayerNorm
         # parameters without gradients (tests/test_ipex.py), so the two are not combined
         print0("compile: off, because IPEX optimized the model (--ipex off to compile instead)")
-        args.compile = False
-    elif not can_compile(device_type):
+        return model, False
+    if not can_compile(device_type):
         print0("warning: --compile needs a C++ compiler (g++ or clang++, or $CXX) and none was found: "
                "training without it (install one, or pass --no-compile to silence this)")
-        args.compile = False
-    else:
-        print0(f"compile: torch.compile, kernels cached in {compile_cache_dir()}")
-        model = compile_model(model)
-    return model
+        return model, False
+    print0(f"compile: torch.compile, kernels cached in {compile_cache_dir()}")
+    return compile_model(model), True
