@@ -10,7 +10,6 @@ of a run, then main(), the training story. How the processes live on the machine
 Intel's libraries, memory, signals, safe files) is in plumbing/; generation is in sample.py.
 """
 import argparse
-import glob
 import json
 import math
 import os
@@ -28,7 +27,8 @@ from torch.nn import functional as F
 import plumbing
 
 from plumbing import checkpoints, cpu, inputs, sharding, speedups, world
-from plumbing.checkpoints import checkpoint_path, list_checkpoints
+from plumbing.checkpoints import append_log, checkpoint_path, list_checkpoints, load_checkpoint
+from plumbing.inputs import check_enough_tokens, find_shards, open_shard
 
 # -----------------------------------------------------------------------------
 # The model: GPT-2 exactly (pre-LayerNorm transformer, tanh GELU, learned positions, tied lm_head)
@@ -262,28 +262,7 @@ CONV1D_WEIGHTS = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weigh
 PADDED_VOCAB_SIZE = 50304  # 50257 rounded up to a multiple of 128: friendlier matrix shapes
 
 # -----------------------------------------------------------------------------
-# Data: uint16 token shards (np.save), memory-mapped, shuffled deterministically
-
-def find_shards(data_dir, split):  # fineweb.py names them edu_fineweb_{train,val}_NNNNNN.npy
-    return sorted(f for f in glob.glob(os.path.join(data_dir, "*.npy")) if split in os.path.basename(f))
-
-def open_shard(path):
-    """Memory-map a shard: only the pages we read are loaded. Fails with one line on a bad file."""
-    try:
-        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
-    except Exception as e:
-        raise SystemExit(f"error: cannot read shard {path}: {plumbing.one_line(e)}")
-    if tokens.dtype != np.uint16 or tokens.ndim != 1:
-        raise SystemExit(f"error: shard {path} holds {tokens.dtype} of shape {tokens.shape}, expected a 1-D uint16 array")
-    if len(tokens) == 0:
-        raise SystemExit(f"error: shard {path} is empty")
-    return tokens
-
-def check_enough_tokens(shards, files, T, what):
-    # a short shard (the last one fineweb.py writes may be) just yields fewer blocks; none at all is an error
-    if sum((len(s) - 1) // T for s in shards) == 0:
-        raise SystemExit(f"error: the {what} shards ({', '.join(map(os.path.basename, files))}) hold fewer "
-                         f"than the {T + 1} tokens one sequence of --seq_len {T} needs")
+# Data: uint16 token shards (np.save), memory-mapped (plumbing/inputs.py opens them), shuffled deterministically
 
 class DataLoader:
     """Cuts each shard into blocks of T+1 tokens (inputs and targets overlap by one) and serves
@@ -367,19 +346,7 @@ def get_lr(it, warmup_steps, max_steps, max_lr, min_lr):
     return min_lr + coeff * (max_lr - min_lr)
 
 # -----------------------------------------------------------------------------
-# Checkpoints: written to a temporary file and renamed, so a crash never leaves half a file
-
-def load_checkpoint(path):
-    """A checkpoint file; or a sharded run's folder, whose meta.pt has all but the weights and AdamW state
-    (checkpoints.load_sharded reads those, each rank its own pieces)."""
-    try:
-        sharded = os.path.isdir(path)
-        ckpt = torch.load(os.path.join(path, "meta.pt") if sharded else path, map_location="cpu", weights_only=True)
-        ckpt["sharded_path"] = path if sharded else None
-    except Exception as e:
-        raise SystemExit(f"error: cannot load checkpoint {path}: {plumbing.one_line(e)}")
-    checkpoints.verify_checksums({k: v for k, v in ckpt.items() if k != "checksums"}, ckpt.get("checksums", {}), path)
-    return ckpt
+# Loading a trained model (plumbing/checkpoints.py writes checkpoints safely and reads them back)
 
 def load_model(name_or_path, build=None):
     """One of our checkpoints (.pt, or .dcp from a sharded run), or what GPT.from_pretrained reads
@@ -387,12 +354,6 @@ def load_model(name_or_path, build=None):
     if os.path.isfile(name_or_path) or os.path.isfile(os.path.join(name_or_path, "meta.pt")):
         return GPT.from_checkpoint(load_checkpoint(name_or_path), build)
     return GPT.from_pretrained(name_or_path, build)
-
-def append_log(log_dir, ranks, *lines):
-    """log.txt: one line per measurement ('STEP KIND VALUE'), written by rank 0 alone; play.ipynb plots it."""
-    if ranks.master:
-        with open(os.path.join(log_dir, "log.txt"), "a") as f:
-            f.write("".join(line + "\n" for line in lines))
 
 # -----------------------------------------------------------------------------
 # Command line
@@ -464,7 +425,42 @@ def print_next_steps(args, ranks):
                  f"  python fineweb.py, then python train_gpt2.py    # the real thing: GPT-2 (124M) on FineWeb-Edu")
 
 # -----------------------------------------------------------------------------
-# The stages of a run. main() at the bottom tells the story; each stage is one function here.
+# The stages of a run. main() at the bottom tells the story; each stage is one function here, and they
+# share one Run: the run's settings, fixed when it starts, and its training state, which the stages set up.
+
+# a non-finite loss now and then (a bad batch, a bf16 overflow) is skipped; this many in a row is divergence
+MAX_SKIPPED_STEPS = 5
+# twice the loss of a uniform guess (ln 50304 = 10.8, where scratch training starts): weights that give more
+# are broken even if finite (--max_lr 1e6 gets there in one step)
+DIVERGED_LOSS = 2 * math.log(PADDED_VOCAB_SIZE)
+
+class Run:
+    """What travels from stage to stage. Set when the run starts: the arguments (resolved once, by
+    resolve_args, and never written after), this rank (ranks), whether the run is sharded, the gradient
+    accumulation steps. Set up by the stages, in main()'s order: the data and the lock on --log_dir
+    (open_data_and_lock_log_dir), the device, dtype and IPEX (set_up_machine), the model (build_model),
+    the optimizer and the wrapped model (prepare_training)."""
+
+    def __init__(self, args, ranks):
+        self.args, self.ranks = args, ranks
+        self.sharded = args.shard == "full" and ranks.world_size > 1  # FSDP2: decided here, and only here
+        self.grad_accum_steps = args.total_batch_size // (args.batch_size * args.seq_len * ranks.world_size)
+        self.hellaswag = args.hellaswag_interval > 0  # turned off when it cannot run (no data; sharded)
+        self.train_loader = self.lock = self.dtype = self.ipex = self.autocast = None
+        self.raw_model = self.model = self.optimizer = None  # raw_model: the plain GPT; model: what trains
+        self.compiled, self.flops_per_token, self.matmul_rate = False, 0, None
+
+    @property
+    def device_type(self):
+        return self.ranks.device.split(":")[0]
+
+    def share_of_matmul_rate(self, dt):
+        """' | N% of this CPU's fp32 matmul rate': the step's FLOPs (6 per parameter and token, plus
+        attention) per second on this rank, against what this CPU's matmuls reach at the model's shape."""
+        if self.matmul_rate is None:
+            return ""
+        per_rank = self.args.total_batch_size / self.ranks.world_size / dt * self.flops_per_token / 1e9
+        return f" | {100 * per_rank / self.matmul_rate:.0f}% of this CPU's {self.dtype} matmul rate"
 
 def resolve_args(argv, ranks):
     """The run's arguments: the command line, or, with --resume, the checkpoint's run arguments overridden
@@ -493,16 +489,14 @@ def resolve_args(argv, ranks):
         if not args.demo:
             ranks.print0(f"no shards in {args.data_dir}/ (run fineweb.py to make them): running the demo instead")
         vars(args).update({k: v for k, v in DEMO_ARGS.items() if k not in given})
-        args.demo = True
-        args.data_dir = os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")), "gpt2-cpu", "demo")
+        args.demo, args.data_dir = True, plumbing.cache_dir("demo")
         # every rank builds (or finds) the shards: the cache is per host, and one that skipped this could read half a file
         import fineweb
         fineweb.build_demo_shards(args.data_dir)
     return args, ckpt, ckpt_file
 
-def check_run(args, ranks):
-    """Everything cheap to check, before anything expensive. Returns (train loader, gradient accumulation steps)."""
-    world_size = ranks.world_size
+def check_args(args, world_size):
+    """Every flag that can be checked alone, before anything expensive."""
     if not os.path.isdir(args.data_dir):
         raise SystemExit(f"error: --data_dir {args.data_dir} does not exist (make shards with fineweb.py)")
     if args.seq_len > args.block_size and args.init_from == "scratch":
@@ -520,54 +514,61 @@ def check_run(args, ranks):
         raise SystemExit(f"error: --threads {args.threads} must be 0 (automatic) or positive")
     if not args.dist_timeout > 0:
         raise SystemExit(f"error: --dist_timeout {args.dist_timeout} must be a positive number of seconds")
-    if args.shard == "full" and world_size == 1:
+
+def open_data_and_lock_log_dir(run):
+    """The training shards (run.train_loader) and the val shards, checked; then --log_dir, refused if it
+    holds another run, and locked (run.lock) so that no second run writes there."""
+    args, ranks = run.args, run.ranks
+    if args.shard == "full" and not run.sharded:
         ranks.print0("--shard full: with one rank there is nothing to split; training as usual")
-    train_loader = DataLoader(args.data_dir, "train", args.batch_size, args.seq_len, ranks.rank, world_size, args.seed)
+    run.train_loader = DataLoader(args.data_dir, "train", args.batch_size, args.seq_len, ranks.rank, ranks.world_size, args.seed)
     if args.eval_interval > 0:
         val_files = find_shards(args.data_dir, "val")
         if not val_files:
             raise SystemExit(f"error: no shards with 'val' in their name in --data_dir {args.data_dir} (or pass --eval_interval 0)")
         check_enough_tokens([open_shard(f) for f in val_files], val_files, args.seq_len, "val")
-    inputs.check_token_ids(train_loader.files + find_shards(args.data_dir, "val"), PADDED_VOCAB_SIZE)  # no model of ours has more
     has_run = os.path.exists(os.path.join(args.log_dir, "log.txt")) or list_checkpoints(args.log_dir)
     if has_run and not args.resume and not args.overwrite:
         raise SystemExit(f"error: --log_dir {args.log_dir} already holds a run; continue it with --resume, "
                          "choose another --log_dir, or pass --overwrite to replace it")
-    ranks.lock = checkpoints.lock_folder(args.log_dir) if ranks.master else None  # one run per folder; also: writable?
-    return train_loader, args.total_batch_size // tokens_per_micro
+    run.lock = checkpoints.lock_folder(args.log_dir) if ranks.master else None  # one run per folder; also: writable?
 
-def start_ranks(args, ranks):
-    """Pick the device, join the other ranks (the process group), set the CPU threads, find IPEX and
-    choose the dtype. Returns (ipex module or None, 'bf16' or 'fp32')."""
+def set_up_machine(run):
+    """This rank's device, the process group joining the ranks, the CPU threads, the dtype this machine
+    computes fastest (run.dtype, run.autocast) and IPEX (run.ipex, applied once the optimizer exists)."""
+    args, ranks = run.args, run.ranks
     ranks.device = world.pick_device(args.device, ranks.local_rank, ranks.world_size)
-    device_type = ranks.device.split(":")[0]
-    ipex = speedups.find_ipex(args.ipex, device_type)  # imported now, applied once the model and optimizer exist
+    run.ipex = speedups.find_ipex(args.ipex, run.device_type)
     if ranks.world_size > 1:
         # oneCCL when Intel's bindings are installed (the fastest all-reduce across Xeon nodes), else gloo on CPU
-        backend = world.choose_backend(args.backend, device_type)
+        backend = world.choose_backend(args.backend, run.device_type)
         where = world.init_process_group(backend, ranks.rank, ranks.world_size, ranks.local_world,
                                            ranks.launcher, args.dist_timeout)
         ranks.print0(f"distributed: {ranks.launcher}, world size {ranks.world_size}, backend {backend}, master {where}")
-    if args.shard == "none" or ranks.world_size == 1:  # (sharded, memory is short: what is freed goes back to the OS)
+    if not run.sharded:  # (sharded, memory is short: what is freed goes back to the OS)
         cpu.keep_freed_memory()
-    if device_type == "cpu":  # one matmul thread per physical core, shared among the ranks on this node
+    if run.device_type == "cpu":  # one matmul thread per physical core, shared among the ranks on this node
         ranks.print0(cpu.set_cpu_threads(args.threads, ranks.world_size, ranks.local_world))
         ranks.print0(cpu.describe_cpu(torch.get_num_threads()))
-    dtype, why = speedups.resolve_dtype(args.dtype, device_type, args.n_embd)
+    run.dtype, why = speedups.resolve_dtype(args.dtype, run.device_type, args.n_embd)
     if ranks.world_size > 1 and args.dtype == "auto":  # bf16 only if every rank computes it fast: ranks agree
-        everyone = ranks.all_reduce_sum(torch.tensor(float(dtype == "bf16"), device=ranks.device))
-        if dtype == "bf16" and everyone < ranks.world_size:
-            dtype, why = "fp32", "dtype: fp32 (some ranks' CPUs have no fast bf16)"
+        everyone = ranks.all_reduce_sum(torch.tensor(float(run.dtype == "bf16"), device=ranks.device))
+        if run.dtype == "bf16" and everyone < ranks.world_size:
+            run.dtype, why = "fp32", "dtype: fp32 (some ranks' CPUs have no fast bf16)"
     ranks.print0(why)
-    return ipex, dtype
+    run.autocast = speedups.autocast(run.dtype, run.device_type)
 
-def build_model(args, ranks, ckpt, train_loader, dtype):
+def build_model(run, ckpt):
     """The checkpoint's weights when resuming; else a scratch GPT-2, OpenAI's weights, or one of our checkpoints.
-    --shard full: the model is sharded as it is built (see sharding.build_sharded), so no rank holds all of it."""
+    --shard full: the model is sharded as it is built (see sharding.build_sharded), so no rank holds all of it.
+    The shards' token ids are checked against its vocabulary first, before any weights are read."""
+    args, ranks = run.args, run.ranks
     torch.manual_seed(args.seed)  # same initial weights on every rank
-    shard = args.shard == "full" and ranks.world_size > 1
     def build(config, init_weights=False):  # sharded: weights given to each rank's pieces, unless init_weights
-        return sharding.build_sharded(lambda: GPT(config), ranks, dtype == "bf16", init_weights) if shard else GPT(config)
+        inputs.check_token_ids(run.train_loader.files + find_shards(args.data_dir, "val"), config.vocab_size, ranks.print0)
+        if run.sharded:
+            return sharding.build_sharded(lambda: GPT(config), ranks, run.dtype == "bf16", init_weights)
+        return GPT(config)
     if ckpt is not None and not ckpt["sharded_path"]:
         model = GPT.from_checkpoint(ckpt, build)
     elif ckpt is None and args.init_from != "scratch":
@@ -579,121 +580,125 @@ def build_model(args, ranks, ckpt, train_loader, dtype):
     config, n_params = model.config, sum(p.numel() for p in model.parameters())
     if args.seq_len > config.block_size:
         raise SystemExit(f"error: --seq_len {args.seq_len} is longer than the model's context {config.block_size}")
-    inputs.check_token_ids(train_loader.files + find_shards(args.data_dir, "val"), config.vocab_size, ranks.print0)
     if ranks.master and args.checkpoint_interval > 0:  # weights and AdamW's two moments, in fp32
         checkpoints.check_free_space(args.log_dir, 12 * n_params, "a checkpoint")
-    ranks.print0(f"model: {n_params / 1e6:.2f}M parameters, {config}" + shard * f"\nshard: FSDP2, each rank holds "
-                 f"1/{ranks.world_size} of the weights, gradients and AdamW state")
-    return model.to(ranks.device)
+    ranks.print0(f"model: {n_params / 1e6:.2f}M parameters, {config}")
+    run.flops_per_token = cpu.flops_per_token(n_params, config.n_layer, config.n_embd, args.seq_len)
+    if run.device_type == "cpu":  # (measured once per machine and shape, then cached)
+        run.matmul_rate = cpu.matmul_rate(torch.bfloat16 if run.dtype == "bf16" else torch.float32, config.n_embd)
+    run.raw_model = model.to(ranks.device)  # the plain GPT: evaluation and sampling run it eagerly
 
-def prepare_training(args, ranks, model, ckpt, ckpt_file, train_loader, ipex, dtype):
-    """The optimizer, the resumed state, then the wrappers: IPEX, torch.compile, DDP. Returns (model, optimizer, first step)."""
-    device_type = ranks.device.split(":")[0]
-    optimizer, fused = model.configure_optimizer(args.weight_decay, args.max_lr, device_type)
+def prepare_training(run, ckpt, ckpt_file):
+    """The optimizer, the resumed state, then the wrappers: IPEX, torch.compile, DDP. Returns the first step."""
+    args, ranks = run.args, run.ranks
+    model = run.raw_model
+    optimizer, fused = model.configure_optimizer(args.weight_decay, args.max_lr, run.device_type)
     ranks.print0(f"optimizer: AdamW, fused={fused}")
     start_step = 0
     if ckpt is not None:
         if ckpt["sharded_path"]:  # any number of ranks, sharded or not: each reads what it holds
             checkpoints.load_sharded(ckpt["sharded_path"], model, optimizer)
-        elif ranks.sharded:
+        elif run.sharded:
             sharding.load_full_optimizer_state(model, optimizer, ckpt["optimizer"])
         else:
             optimizer.load_state_dict(ckpt["optimizer"])
-        train_loader.load_state_dict(ckpt["loader"])
+        run.train_loader.load_state_dict(ckpt["loader"])
         torch.set_rng_state(ckpt["rng"]["torch"])
         start_step = ckpt["step"]
         ranks.print0(f"resumed from {ckpt_file} at step {start_step}")
-    if ipex is not None and not ranks.sharded:
-        model, optimizer = speedups.apply_ipex(ipex, model, optimizer, dtype, ranks.print0)
+    if run.ipex is not None and not run.sharded:
+        model, optimizer = speedups.apply_ipex(run.ipex, model, optimizer, run.dtype, ranks.print0)
     # torch.compile fuses the training forward and backward into C++ kernels (bench/bench_train.py measures it).
     # Evaluation and sampling run the raw model eagerly: their shapes change, and each shape would recompile.
-    compiled = False
     if args.compile:
-        model, compiled = speedups.compile_if_possible(model, ipex, device_type, ranks.print0)
+        model, run.compiled = speedups.compile_if_possible(model, run.ipex, run.device_type, ranks.print0)
     if ranks.world_size > 1:  # the same checkpoint on every rank: DDP copies rank 0's weights, but nothing else
         world.check_same_start(ranks, start_step)
-    if ranks.world_size > 1 and not ranks.sharded:  # DDP averages the gradients during backward, bucket by bucket
+    if ranks.world_size > 1 and not run.sharded:  # DDP averages the gradients during backward, bucket by bucket
         from torch.nn.parallel import DistributedDataParallel as DDP
-        model = DDP(model, device_ids=[ranks.local_rank] if device_type == "cuda" else None)
-    return model, optimizer, start_step, compiled
+        model = DDP(model, device_ids=[ranks.local_rank] if run.device_type == "cuda" else None)
+    run.model, run.optimizer = model, optimizer
+    return start_step
 
-def evaluate(args, ranks, step, model, dtype, due):
+def evaluate(run, step, due):
     """This step's evaluations, each when due: val loss, HellaSwag, samples. Returns the val loss (or None)."""
+    args, ranks, model = run.args, run.ranks, run.raw_model
     model.eval()
-    val_loss, autocast = None, speedups.autocast(dtype, ranks.device.split(":")[0])
+    val_loss = None
     if due(args.eval_interval):  # the same val tokens whatever the batch size or world size
         stats = torch.zeros(2, dtype=torch.float64, device=ranks.device)  # summed loss, token count
         batches = val_batches(args.data_dir, args.seq_len, args.val_tokens, args.batch_size, ranks.rank, ranks.world_size)
-        if ranks.sharded:  # every rank must join every forward's all-gathers: pad with batches that don't count
+        if run.sharded:  # every rank must join every forward's all-gathers: pad with batches that don't count
             most = torch.tensor(len(batches := list(batches)))
             torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
             batches += [None] * (int(most) - len(batches))
         with torch.no_grad():
             for batch in batches:
                 x, y = batch if batch is not None else (torch.zeros(1, args.seq_len, dtype=torch.long),) * 2
-                with autocast:
+                with run.autocast:
                     _, loss = model(x.to(ranks.device), y.to(ranks.device))
                 counted = y.numel() * (batch is not None)
                 stats += torch.tensor([loss.item() * counted, counted], dtype=torch.float64, device=ranks.device)
         val_loss = (ranks.all_reduce_sum(stats)[0] / stats[1]).item()
         ranks.print0(f"validation loss: {val_loss:.4f}")
         append_log(args.log_dir, ranks, f"{step} val {val_loss:.4f}")
-    if due(args.hellaswag_interval) and ranks.sharded:  # its batches differ by rank: no lock-step all-gathers
+    if run.hellaswag and due(args.hellaswag_interval) and run.sharded:  # batches differ by rank: no lock-step all-gathers
         ranks.print0("warning: no HellaSwag during sharded training: run hellaswag.py -m on a checkpoint")
-        args.hellaswag_interval = 0
-    if due(args.hellaswag_interval):
+        run.hellaswag = False
+    if run.hellaswag and due(args.hellaswag_interval):
         import hellaswag
-        acc = hellaswag.accuracy_during_training(model, args.hellaswag_dir, ranks, dtype, args.batch_size)
-        if acc is None:
-            args.hellaswag_interval = 0  # no data is no reason to stop training: it is just not measured
-        else:
+        acc = hellaswag.accuracy_during_training(model, args.hellaswag_dir, ranks, run.dtype, args.batch_size)
+        run.hellaswag = acc is not None  # no data is no reason to stop training: it is just not measured
+        if acc is not None:
             append_log(args.log_dir, ranks, f"{step} hella {acc:.4f}")
     # (sharded, every rank generates alongside rank 0, to join the all-gathers of every forward)
-    if due(args.sample_interval) and (step > 0 or step == args.max_steps) and (ranks.master or ranks.sharded):
+    if due(args.sample_interval) and (step > 0 or step == args.max_steps) and (ranks.master or run.sharded):
         import sample
-        sample.print_samples(model, ranks, autocast)
+        sample.print_samples(model, ranks, run.autocast)
     return val_loss
 
-def save_checkpoint(args, ranks, step, model, optimizer, train_loader, val_loss, evaluated=True):
+def save_checkpoint(run, step, val_loss, evaluated=True):
     """Everything an exact resume needs: weights, optimizer moments, data position, RNG, run arguments; by
     rank 0, or by every rank for its own pieces when sharded. Never a diverged state: non-finite weights or
     val loss are not saved, so they can't push a good checkpoint out. Every rank calls it (they must agree)."""
+    args, ranks, model, optimizer = run.args, run.ranks, run.raw_model, run.optimizer
     bad = sum(not (p.to_local() if hasattr(p, "to_local") else p).isfinite().all() for p in model.parameters())
     if ranks.all_reduce_sum(torch.tensor(float(bad), device=ranks.device)) or not (val_loss or 0.0) < DIVERGED_LOSS:
         ranks.print0(f"warning: no checkpoint at step {step}: the weights are not finite, or the val loss is not below {DIVERGED_LOSS:.1f}")
         return
-    state = {"config": asdict(model.config), "step": step, "args": dict(vars(args)), "loader": train_loader.state_dict(),
+    state = {"config": asdict(model.config), "step": step, "args": dict(vars(args)), "loader": run.train_loader.state_dict(),
              "rng": {"torch": torch.get_rng_state()}, "val_loss": val_loss,
              "evaluated": evaluated}  # False: stopped by a signal before this step's evaluations
-    if ranks.sharded:
+    if run.sharded:
         checkpoints.save_sharded(checkpoint_path(args.log_dir, step, sharded=True), model, optimizer, state, ranks)
     elif ranks.master:
         state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
         state["checksums"] = checkpoints.tensor_checksums(state)  # verified by load_checkpoint
         checkpoints.atomic_save(state, checkpoint_path(args.log_dir, step))
 
-def train_step(args, ranks, step, model, optimizer, train_loader, grad_accum_steps, autocast):
+def train_step(run, step):
     """One optimizer step over total_batch_size tokens: grad_accum_steps micro-batches on every rank.
     Returns (mean loss, gradient norm, learning rate, whether the weights were updated)."""
+    args, ranks, model, optimizer = run.args, run.ranks, run.model, run.optimizer
     model.train()
     optimizer.zero_grad(set_to_none=True)
     loss_accum = torch.zeros((), device=ranks.device)
-    for micro_step in range(grad_accum_steps):
-        x, y = (t.to(ranks.device) for t in train_loader.next_batch())
+    for micro_step in range(run.grad_accum_steps):
+        x, y = (t.to(ranks.device) for t in run.train_loader.next_batch())
         # DDP all-reduces gradients during backward (FSDP reduce-scatters them); only the last micro-step needs that
-        sync = micro_step == grad_accum_steps - 1 or ranks.world_size == 1
-        if ranks.sharded:
+        sync = micro_step == run.grad_accum_steps - 1 or ranks.world_size == 1
+        if run.sharded:
             getattr(model, "_orig_mod", model).set_requires_gradient_sync(sync)
-        with (nullcontext() if sync or ranks.sharded else model.no_sync()):
-            with autocast:
+        with (nullcontext() if sync or run.sharded else model.no_sync()):
+            with run.autocast:
                 _, loss = model(x, y)
-            loss = loss / grad_accum_steps  # the gradient of the mean over all micro-batches
+            loss = loss / run.grad_accum_steps  # the gradient of the mean over all micro-batches
             loss_accum += loss.detach()
             loss.backward()
     ranks.all_reduce_sum(loss_accum)
     loss_accum /= ranks.world_size
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-    norm = norm.full_tensor() if ranks.sharded else norm  # sharded: each rank's part of the global norm
+    norm = norm.full_tensor() if run.sharded else norm  # sharded: each rank's part of the global norm
     lr = get_lr(step, args.warmup_steps, args.max_steps, args.max_lr, args.min_lr)
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -706,21 +711,24 @@ def train_step(args, ranks, step, model, optimizer, train_loader, grad_accum_ste
         torch.cuda.synchronize()
     return loss_accum.item(), norm.item(), lr, sane
 
-def stop_early(args, ranks, signum, step, model, optimizer, train_loader, save):
-    """After a SIGTERM or SIGINT: save where the run is (its evaluations run when it resumes). Returns the exit code."""
-    saved = ""
+def save_after_signal(run, signum, step, save):
+    """After a SIGTERM or SIGINT: save where the run is, if `save` (its evaluations run when it resumes),
+    and wait for every rank. Returns the exit code."""
+    ranks, saved = run.ranks, ""
     if save:
-        save_checkpoint(args, ranks, step, model, optimizer, train_loader, None, evaluated=False)
-        saved = f"saved {checkpoint_path(args.log_dir, step, ranks.sharded)}; continue with --resume; " if ranks.master else ""
+        save_checkpoint(run, step, None, evaluated=False)
+        saved = f"saved {checkpoint_path(run.args.log_dir, step, run.sharded)}; continue with --resume; " if ranks.master else ""
     if ranks.world_size > 1:
         torch.distributed.barrier()  # nobody leaves before the checkpoint is written: launchers kill the rest
     print(f"rank {ranks.rank}: stopped by {signal.Signals(signum).name} before step {step}: {saved}"
           f"exit code {128 + signum}", file=sys.stderr, flush=True)
     return 128 + signum
 
-def count_skipped(args, ranks, step, updated, skipped):
-    """Steps in a row that could not update the weights. A checkpoint counts only once a step from it
-    updated them (weights can be finite and still diverge at once): then older ones are pruned."""
+def prune_or_stop_if_diverged(run, step, updated, skipped):
+    """Counts the steps in a row that could not update the weights; returns the new count. A checkpoint
+    counts only once a step from it updated them (weights can be finite and still diverge at once): then
+    older ones are pruned. MAX_SKIPPED_STEPS in a row stop the run, keeping the newest good checkpoint."""
+    args, ranks = run.args, run.ranks
     if updated:
         if ranks.master:
             checkpoints.prune_checkpoints(args.log_dir, args.keep_checkpoints)
@@ -739,12 +747,6 @@ def count_skipped(args, ranks, step, updated, skipped):
 # -----------------------------------------------------------------------------
 # Training
 
-# a non-finite loss now and then (a bad batch, a bf16 overflow) is skipped; this many in a row is divergence
-MAX_SKIPPED_STEPS = 5
-# twice the loss of a uniform guess (ln 50304 = 10.8, where scratch training starts): weights that give more
-# are broken even if finite (--max_lr 1e6 gets there in one step)
-DIVERGED_LOSS = 2 * math.log(PADDED_VOCAB_SIZE)
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     speedups.compile_cache_dir()  # now: building the optimizer already makes torch settle on a cache folder
@@ -754,20 +756,19 @@ def main(argv=None):
     # and the world size in their own variables; without one, we are a single process (world size 1).
     ranks = world.Ranks(*world.detect_launch())
     args, ckpt, ckpt_file = resolve_args(argv, ranks)
-    train_loader, grad_accum_steps = check_run(args, ranks)
-    ipex, dtype = start_ranks(args, ranks)
-
-    raw_model = build_model(args, ranks, ckpt, train_loader, dtype)  # the plain GPT: evaluation and sampling run it eagerly
-    model, optimizer, start_step, compiled = prepare_training(args, ranks, raw_model, ckpt, ckpt_file, train_loader, ipex, dtype)
+    check_args(args, ranks.world_size)
+    run = Run(args, ranks)
+    open_data_and_lock_log_dir(run)
+    set_up_machine(run)
+    build_model(run, ckpt)
+    start_step = prepare_training(run, ckpt, ckpt_file)
     evaluated = ckpt is not None and ckpt.get("evaluated", True)  # were start_step's evaluations done already?
     del ckpt
-    device_type = ranks.device.split(":")[0]
-    autocast = speedups.autocast(dtype, device_type)
     if ranks.master:  # log.txt, args.json (how the run started: for a --resume before its first checkpoint)
         checkpoints.prepare_log_dir(args.log_dir, vars(args), overwrite=args.overwrite and not args.resume,
-                                fresh=ckpt_file is None)
+                                    fresh=ckpt_file is None)
     ranks.print0(f"total batch {args.total_batch_size} tokens = {args.batch_size} x {args.seq_len} x "
-                 f"{ranks.world_size} rank(s) x {grad_accum_steps} accumulation steps")
+                 f"{ranks.world_size} rank(s) x {run.grad_accum_steps} accumulation steps")
 
     skipped, exit_code, first_dt = 0, 0, 0.0
     for step in range(start_step, args.max_steps + 1):
@@ -775,33 +776,33 @@ def main(argv=None):
         # a resumed run already did the evals and the checkpoint of its first step (unless a signal stopped it)
         periodic = step > start_step or not evaluated
         due = lambda interval: periodic and interval > 0 and (step % interval == 0 or last_step)  # noqa: E731
-        val_loss = evaluate(args, ranks, step, raw_model, dtype, due)
+        val_loss = evaluate(run, step, due)
         if due(args.checkpoint_interval) and step > 0 and not skipped:
-            save_checkpoint(args, ranks, step, raw_model, optimizer, train_loader, val_loss)
+            save_checkpoint(run, step, val_loss)
         if last_step:
             if ranks.master:
                 checkpoints.prune_checkpoints(args.log_dir, args.keep_checkpoints)
             break
 
         t0 = time.time()
-        loss, norm, lr, updated = train_step(args, ranks, step, model, optimizer, train_loader, grad_accum_steps, autocast)
+        loss, norm, lr, updated = train_step(run, step)
         dt = time.time() - t0
         ranks.print0(f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm:.4f} | "
-                     f"dt {dt * 1000:.0f}ms | tok/sec {args.total_batch_size / dt:.0f}")
+                     f"dt {dt * 1000:.0f}ms | tok/sec {args.total_batch_size / dt:.0f}{run.share_of_matmul_rate(dt)}")
         append_log(args.log_dir, ranks, f"{step} train {loss:.6f}", f"{step} tok/s {args.total_batch_size / dt:.0f}")
         first_dt = dt if step == start_step else first_dt
-        if compiled and step == start_step + 1:  # the first step's extra time went to compiling (0 if cached)
+        if run.compiled and step == start_step + 1:  # the first step's extra time went to compiling (0 if cached)
             ranks.print0(f"compile: took about {max(first_dt - dt, 0):.1f} s, during the first step")
-        skipped = count_skipped(args, ranks, step, updated, skipped)
+        skipped = prune_or_stop_if_diverged(run, step, updated, skipped)
         if signum := stop.agreed(ranks):
             save = args.checkpoint_interval > 0 and not skipped  # no checkpoint of weights that just diverged
-            exit_code = stop_early(args, ranks, signum, step + 1, raw_model, optimizer, train_loader, save)
+            exit_code = save_after_signal(run, signum, step + 1, save)
             break
 
-    world.check_same_weights(ranks, raw_model)  # DDP's promise: every rank ends with the same weights
+    world.check_same_weights(ranks, run.raw_model)  # DDP's promise: every rank ends with the same weights
     world.report_peak_memory(ranks)
     if ranks.world_size > 1:
-        del model  # DDP's reducer holds the process group: release it first (see world.leave_process_group)
+        del run.model  # DDP's reducer holds the process group: release it first (see world.leave_process_group)
         world.leave_process_group()
     if exit_code:
         raise SystemExit(exit_code)

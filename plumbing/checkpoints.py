@@ -3,9 +3,9 @@ Run folders and checkpoint files: nothing written is left half-written, a damage
 refused, one run per folder.
 
   - names: model_00500.pt (one file), model_00500.dcp (a sharded run's folder, one file per rank)
-  - listing and pruning them; the log folder (log.txt, args.json) and its lock
+  - listing and pruning them; the log folder (log.txt and its lines, args.json) and its lock
   - atomic writes (a temporary file, then a rename) and a check of the free space beforehand
-  - CRC-32 checksums of every tensor, verified on load
+  - CRC-32 checksums of every tensor, verified when a checkpoint is loaded
   - sharded (.dcp) checkpoints: each rank saves and loads its own pieces
 """
 import glob
@@ -77,6 +77,13 @@ def prune_checkpoints(log_dir, keep, newer_than=None):
         shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)
 
 
+def append_log(log_dir, ranks, *lines):
+    """log.txt: one line per measurement ('STEP KIND VALUE'), written by rank 0 alone; play.ipynb plots it."""
+    if ranks.master:
+        with open(os.path.join(log_dir, "log.txt"), "a") as f:
+            f.write("".join(line + "\n" for line in lines))
+
+
 def prepare_log_dir(log_dir, run_args, overwrite, fresh):
     """log.txt is appended to (--overwrite: emptied, and the old checkpoints deleted). A fresh run records
     its arguments in args.json, so that a --resume before its first checkpoint starts the same run."""
@@ -87,6 +94,19 @@ def prepare_log_dir(log_dir, run_args, overwrite, fresh):
         with open(os.path.join(log_dir, "args.json.tmp"), "w") as f:
             json.dump(run_args, f, indent=1)
         os.replace(os.path.join(log_dir, "args.json.tmp"), os.path.join(log_dir, "args.json"))
+
+
+def load_checkpoint(path):
+    """A checkpoint file; or a sharded run's folder, whose meta.pt has all but the weights and AdamW state
+    (checkpoints.load_sharded reads those, each rank its own pieces)."""
+    try:
+        sharded = os.path.isdir(path)
+        ckpt = torch.load(os.path.join(path, "meta.pt") if sharded else path, map_location="cpu", weights_only=True)
+        ckpt["sharded_path"] = path if sharded else None
+    except Exception as e:
+        raise SystemExit(f"error: cannot load checkpoint {path}: {one_line(e)}")
+    verify_checksums({k: v for k, v in ckpt.items() if k != "checksums"}, ckpt.get("checksums", {}), path)
+    return ckpt
 
 
 def save_sharded(path, model, optimizer, meta, ranks):

@@ -1,12 +1,36 @@
 """
-What a run reads besides its arguments: the token ids of its shards (checked against the model's
-vocabulary, the scans cached) and OpenAI's GPT-2 weights (from the Hugging Face hub or a folder).
+What a run reads besides its arguments: its token shards (uint16 .npy files, memory-mapped), their
+token ids (checked against the model's vocabulary, the scans cached) and OpenAI's GPT-2 weights
+(from the Hugging Face hub or a folder).
 """
+import glob
 import os
 
 import numpy as np
 
 from plumbing import cache_dir, one_line, read_json, write_json
+
+def find_shards(data_dir, split):  # fineweb.py names them edu_fineweb_{train,val}_NNNNNN.npy
+    return sorted(f for f in glob.glob(os.path.join(data_dir, "*.npy")) if split in os.path.basename(f))
+
+def open_shard(path):
+    """Memory-map a shard: only the pages we read are loaded. Fails with one line on a bad file."""
+    try:
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except Exception as e:
+        raise SystemExit(f"error: cannot read shard {path}: {one_line(e)}")
+    if tokens.dtype != np.uint16 or tokens.ndim != 1:
+        raise SystemExit(f"error: shard {path} holds {tokens.dtype} of shape {tokens.shape}, expected a 1-D uint16 array")
+    if len(tokens) == 0:
+        raise SystemExit(f"error: shard {path} is empty")
+    return tokens
+
+def check_enough_tokens(shards, files, T, what):
+    # a short shard (the last one fineweb.py writes may be) just yields fewer blocks; none at all is an error
+    if sum((len(s) - 1) // T for s in shards) == 0:
+        raise SystemExit(f"error: the {what} shards ({', '.join(map(os.path.basename, files))}) hold fewer "
+                         f"than the {T + 1} tokens one sequence of --seq_len {T} needs")
+
 
 def check_token_ids(files, vocab_size, print0=None):
     """Every token id must have an embedding row: a larger one would crash training when its block comes up.

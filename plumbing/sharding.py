@@ -18,7 +18,7 @@ def shard_model(model, ranks, bf16):
     for block in model.transformer.h:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    ranks.sharded = True
+    ranks.print0(f"shard: FSDP2, each rank holds 1/{ranks.world_size} of the weights, gradients and AdamW state")
 
 
 def build_sharded(build, ranks, bf16, init_weights=True):

@@ -81,9 +81,7 @@ class Ranks:
     local_rank: int  # among the ranks on this node
     local_world: int
     launcher: str  # single, torchrun, mpich, openmpi or slurm
-    device: str = "cpu"
-    lock: object = None  # rank 0's lock on --log_dir (lock_folder), held until the process ends
-    sharded: bool = False  # FSDP2: each rank holds only its part of the weights, gradients and AdamW state
+    device: str = "cpu"  # where it computes: set once, when the run picks it (pick_device)
 
     @property
     def master(self):  # rank 0 prints, logs and saves checkpoints; the others stay quiet
@@ -107,7 +105,7 @@ def check_same_weights(ranks, model):
     weights = model.state_dict()
     checksum = hashlib.sha256()
     for k in sorted(weights):  # one tensor at a time: joining them all first would double the peak memory
-        w = weights[k].full_tensor() if ranks.sharded else weights[k]  # sharded: gathered from every rank
+        w = weights[k].full_tensor() if hasattr(weights[k], "full_tensor") else weights[k]  # sharded: gathered
         checksum.update(w.detach().cpu().float().contiguous().numpy())
     digest = checksum.hexdigest()
     if ranks.world_size > 1:
