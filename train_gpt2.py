@@ -210,30 +210,13 @@ class GPT(nn.Module):
         """OpenAI's GPT-2 weights from the Hugging Face hub (gpt2, gpt2-medium, gpt2-large, gpt2-xl),
         or a local directory in the same layout (config.json + model.safetensors). build(config) makes the
         model they fill (--shard full: one built sharded); they are read one tensor at a time."""
-        from safetensors import safe_open
         config_file, weights_file = inputs.pretrained_files(name_or_path, PRETRAINED_NAMES)
         with open(config_file) as f:
             hf = json.load(f)
         model = (build or cls)(GPTConfig(block_size=hf["n_positions"], vocab_size=hf["vocab_size"],
                                           n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"]))
-        # save_pretrained() writes 'transformer.h.0...', OpenAI's upload has no prefix; the attention
-        # 'bias' buffers are causal masks, and lm_head is tied to wte, so neither is loaded.
-        params = dict(model.named_parameters())  # (lm_head.weight is wte's: named once)
-        try:
-            with safe_open(weights_file, framework="pt") as f:
-                theirs = {"transformer." + k.removeprefix("transformer."): k for k in f.keys()}
-                missing = [k for k in params if k not in theirs]
-                if missing:
-                    raise SystemExit(f"error: {weights_file} lacks {len(missing)} GPT-2 tensors, e.g. {missing[0]}")
-                for k, p in params.items():
-                    shape = f.get_slice(theirs[k]).get_shape()[::-1 if k.endswith(CONV1D_WEIGHTS) else 1]
-                    if tuple(shape) != tuple(p.shape):
-                        raise SystemExit(f"error: {weights_file}: {k} has shape {tuple(shape)}, expected {tuple(p.shape)}")
-                for k, p in params.items():
-                    w = f.get_tensor(theirs[k])
-                    sharding.copy_weight(p, w.t() if k.endswith(CONV1D_WEIGHTS) else w)
-        except Exception as e:
-            raise SystemExit(f"error: cannot read {weights_file}: {plumbing.one_line(e)}")
+        # (lm_head.weight is wte's, so it is named, and filled, once)
+        inputs.copy_pretrained_weights(weights_file, dict(model.named_parameters()), CONV1D_WEIGHTS)
         return model
 
     @classmethod
@@ -322,16 +305,21 @@ class DataLoader:
         buf = torch.from_numpy(np.stack(rows))
         return buf[:, :-1].contiguous(), buf[:, 1:].contiguous()  # inputs, and targets shifted by one
 
-def val_batches(data_dir, T, val_tokens, B, rank, world_size):
+class ValLoader:
     """The first val_tokens//T blocks of the val shards, in order, this rank's share (block i goes
     to rank i % world_size), in batches of at most B. Which tokens are scored does not depend on
     B or the world size, so val losses compare across runs."""
-    shards = [open_shard(f) for f in find_shards(data_dir, "val")]
-    blocks = [(s, i * T) for s in shards for i in range((len(s) - 1) // T)][:max(1, val_tokens // T)]
-    mine = blocks[rank::world_size]
-    for i in range(0, len(mine), B):
-        buf = torch.from_numpy(np.stack([np.asarray(s[o:o + T + 1], dtype=np.int64) for s, o in mine[i:i + B]]))
-        yield buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
+
+    def __init__(self, data_dir, T, val_tokens, B, rank=0, world_size=1):
+        shards = [open_shard(f) for f in find_shards(data_dir, "val")]
+        blocks = [(s, i * T) for s in shards for i in range((len(s) - 1) // T)][:max(1, val_tokens // T)]
+        self.mine, self.T, self.B = blocks[rank::world_size], T, B
+
+    def __iter__(self):
+        for i in range(0, len(self.mine), self.B):
+            rows = [np.asarray(s[o:o + self.T + 1], dtype=np.int64) for s, o in self.mine[i:i + self.B]]
+            buf = torch.from_numpy(np.stack(rows))
+            yield buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
 
 # -----------------------------------------------------------------------------
 # Learning rate: linear warmup, then cosine decay to min_lr (build-nanogpt's get_lr)
@@ -408,10 +396,12 @@ def build_parser(defaults=True):
     return p
 
 # The demo: a small GPT on the Python standard library's own source, which every machine with Python has.
-# No torch.compile: measured end to end on 2 cores, a cold compile (~30 s) costs more than its faster
-# steps save in 60 of them (75 s eager vs 82 s compiled); with the kernels cached, compile would win.
-DEMO_ARGS = dict(n_layer=4, n_head=4, n_embd=256, block_size=256, seq_len=256, batch_size=16,
-                 total_batch_size=4096, max_steps=60, warmup_steps=10, max_lr=3e-3, min_lr=3e-4,
+# Sized for a CPU without native bf16 (fp32 there): its lm_head (50304 x 128) is most of its FLOPs, so it is
+# 128 wide. End to end, tokenizing included, on 2 cores: 72 s on AVX2 in fp32 (emulated on an AMD EPYC),
+# 55 s on AVX512-BF16 in bf16; final val loss 3.84. Eager: a cold torch.compile costs more than its faster
+# steps save in 60 of them (AVX2, fp32: 100 s compiled cold, 74 s with its kernels cached, 69 s eager).
+DEMO_ARGS = dict(n_layer=4, n_head=4, n_embd=128, block_size=256, seq_len=256, batch_size=8,
+                 total_batch_size=2048, max_steps=60, warmup_steps=10, max_lr=3e-3, min_lr=3e-4,
                  eval_interval=30, val_tokens=32768, sample_interval=60, hellaswag_interval=0,
                  checkpoint_interval=60, log_dir="log_demo", compile=False)
 
@@ -446,13 +436,9 @@ class Run:
         self.sharded = args.shard == "full" and ranks.world_size > 1  # FSDP2: decided here, and only here
         self.grad_accum_steps = args.total_batch_size // (args.batch_size * args.seq_len * ranks.world_size)
         self.hellaswag = args.hellaswag_interval > 0  # turned off when it cannot run (no data; sharded)
-        self.train_loader = self.lock = self.dtype = self.ipex = self.autocast = None
+        self.train_loader = self.lock = self.device_type = self.dtype = self.ipex = self.autocast = None
         self.raw_model = self.model = self.optimizer = None  # raw_model: the plain GPT; model: what trains
         self.compiled, self.flops_per_token, self.matmul_rate = False, 0, None
-
-    @property
-    def device_type(self):
-        return self.ranks.device.split(":")[0]
 
     def share_of_matmul_rate(self, dt):
         """' | N% of this CPU's fp32 matmul rate': the step's FLOPs (6 per parameter and token, plus
@@ -538,6 +524,7 @@ def set_up_machine(run):
     computes fastest (run.dtype, run.autocast) and IPEX (run.ipex, applied once the optimizer exists)."""
     args, ranks = run.args, run.ranks
     ranks.device = world.pick_device(args.device, ranks.local_rank, ranks.world_size)
+    run.device_type = ranks.device.split(":")[0]
     run.ipex = speedups.find_ipex(args.ipex, run.device_type)
     if ranks.world_size > 1:
         # oneCCL when Intel's bindings are installed (the fastest all-reduce across Xeon nodes), else gloo on CPU
@@ -627,7 +614,7 @@ def evaluate(run, step, due):
     val_loss = None
     if due(args.eval_interval):  # the same val tokens whatever the batch size or world size
         stats = torch.zeros(2, dtype=torch.float64, device=ranks.device)  # summed loss, token count
-        batches = val_batches(args.data_dir, args.seq_len, args.val_tokens, args.batch_size, ranks.rank, ranks.world_size)
+        batches = ValLoader(args.data_dir, args.seq_len, args.val_tokens, args.batch_size, ranks.rank, ranks.world_size)
         if run.sharded:  # every rank must join every forward's all-gathers: pad with batches that don't count
             most = torch.tensor(len(batches := list(batches)))
             torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)

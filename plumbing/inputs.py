@@ -75,3 +75,28 @@ def pretrained_files(name_or_path, hub_names):
         raise SystemExit(f"error: --init_from {name_or_path!r} is neither one of {', '.join(hub_names)} "
                          "nor a directory holding config.json and model.safetensors")
     return config_file, weights_file
+
+
+def copy_pretrained_weights(weights_file, params, transposed):
+    """Fill params ({name: parameter}, sharded or not) from a safetensors file in the Hugging Face layout,
+    one tensor at a time; weights whose names end with one of `transposed` are stored (in, out): OpenAI's
+    'Conv1D'. save_pretrained() writes 'transformer.h.0...', OpenAI's upload has no prefix; the attention
+    'bias' buffers there are causal masks, not weights, so they are not read. Shapes are checked first."""
+    from safetensors import safe_open
+
+    from plumbing.sharding import copy_weight
+    try:
+        with safe_open(weights_file, framework="pt") as f:
+            theirs = {"transformer." + k.removeprefix("transformer."): k for k in f.keys()}
+            missing = [k for k in params if k not in theirs]
+            if missing:
+                raise SystemExit(f"error: {weights_file} lacks {len(missing)} GPT-2 tensors, e.g. {missing[0]}")
+            for k, p in params.items():
+                shape = f.get_slice(theirs[k]).get_shape()[::-1 if k.endswith(transposed) else 1]
+                if tuple(shape) != tuple(p.shape):
+                    raise SystemExit(f"error: {weights_file}: {k} has shape {tuple(shape)}, expected {tuple(p.shape)}")
+            for k, p in params.items():
+                w = f.get_tensor(theirs[k])
+                copy_weight(p, w.t() if k.endswith(transposed) else w)
+    except Exception as e:
+        raise SystemExit(f"error: cannot read {weights_file}: {one_line(e)}")

@@ -10,7 +10,7 @@ import torch
 from plumbing import checkpoints
 import train_gpt2
 from conftest import REPO, make_shards, read_log, run_train, tiny_run_args
-from train_gpt2 import DataLoader, val_batches
+from train_gpt2 import DataLoader, ValLoader
 
 
 # ----------------------------------------------------------------------------- data loader
@@ -77,7 +77,7 @@ def test_val_tokens_do_not_depend_on_batch_or_world(shards):
     def scored(B, world):
         rows = []
         for rank in range(world):
-            for x, y in val_batches(shards, 32, 1024, B, rank, world):
+            for x, y in ValLoader(shards, 32, 1024, B, rank, world):
                 rows += blocks_of(torch.cat((x, y[:, -1:]), dim=1))
         return sorted(rows)
     ref = scored(4, 1)
