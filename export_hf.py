@@ -27,7 +27,6 @@ import tokenizer
 
 FILES = ("config.json", "model.safetensors", "generation_config.json", "vocab.json", "merges.txt",
          "tokenizer_config.json", "special_tokens_map.json")
-CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 EOT_TEXT = "<|endoftext|>"
 
 # -----------------------------------------------------------------------------
@@ -44,6 +43,7 @@ def hf_config(config):
 def hf_weights(model):
     """{transformers name: tensor}. safetensors stores each tensor once and contiguous, so the tied
     lm_head (the same tensor as wte) is left out, as save_pretrained does: transformers re-ties it."""
+    from train_gpt2 import CONV1D_WEIGHTS
     if model.config.vocab_size < tokenizer.VOCAB_SIZE:
         raise SystemExit(f"error: the model has only {model.config.vocab_size} token ids, GPT-2 needs {tokenizer.VOCAB_SIZE}")
     weights = {}
@@ -51,7 +51,7 @@ def hf_weights(model):
         if name == "lm_head.weight":
             continue
         w = w.detach().float()
-        if name.endswith(CONV1D):
+        if name.endswith(CONV1D_WEIGHTS):
             w = w.t()
         if name == "transformer.wte.weight":
             w = w[:tokenizer.VOCAB_SIZE]  # the padding rows: never a target, never an input

@@ -28,13 +28,12 @@ import os
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
 
 import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
-from plumbing import cpu
+from plumbing import cpu, speedups, world
 import tokenizer
 
 DEFAULT_DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hellaswag")
@@ -211,14 +210,6 @@ def attention_mask(group):
     return (causal & (same | (group[:, None, :] == -1))).unsqueeze(1)
 
 
-def autocast_for(device, dtype):
-    if dtype == "bf16":
-        return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
-    if dtype != "fp32":
-        raise ValueError(f"dtype must be 'fp32' or 'bf16', not {dtype!r}")
-    return nullcontext()
-
-
 @torch.no_grad()
 def score_endings(model, rendered, device="cpu", dtype="fp32", batch_size=16, progress=None):
     """Summed loss and token count of every ending: two (N, 4) tensors, in the order of `rendered`."""
@@ -231,7 +222,7 @@ def score_endings(model, rendered, device="cpu", dtype="fp32", batch_size=16, pr
         chunk = order[b:b + batch_size]
         tokens, positions, group, prev = (t.to(device) for t in pack([rendered[i] for i in chunk]))
         rows, cols = (group >= 0).nonzero(as_tuple=True)  # every ending token, in row-major order
-        with autocast_for(device, dtype):
+        with speedups.autocast(dtype, torch.device(device).type):
             h = model.hidden(tokens, positions, attention_mask(group))  # (B, T, n_embd): no lm_head yet
             logits = model.lm_head(h[rows, prev[rows, cols]])  # (ending tokens, vocab)
         # the same cross-entropy as training, over the model's whole (possibly padded) vocabulary
@@ -293,7 +284,8 @@ def main(argv=None):
     p.add_argument("--limit", type=int, default=0, help="score only the first N examples (0 = all)")
     p.add_argument("--batch_size", type=int, default=16, help="examples per forward pass")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | xpu | mps")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="autocast dtype of the forward pass")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "auto"], help="precision of the forward pass: "
+                   "fp32 (the protocol behind published scores), bf16 (autocast), auto (bf16 where it is fast here)")
     args = p.parse_args(argv)
     cpu.warm_up_vector_math()  # results independent of thread timing (see plumbing/cpu.py)
 
@@ -304,9 +296,7 @@ def main(argv=None):
     if not (args.model in PRETRAINED_NAMES or os.path.exists(args.model)):
         raise SystemExit(f"error: -m {args.model}: no such checkpoint file or folder, "
                          f"and not one of {', '.join(PRETRAINED_NAMES)}")
-    if args.device == "auto":
-        args.device = ("cuda" if torch.cuda.is_available() else
-                       "xpu" if hasattr(torch, "xpu") and torch.xpu.is_available() else "cpu")
+    args.device = world.pick_device(args.device, 0, 1)
     try:
         examples = load_examples(args.split, args.data_dir)
     except HellaSwagError as e:
@@ -317,6 +307,10 @@ def main(argv=None):
     from train_gpt2 import load_model
     model = load_model(args.model)
     model.to(args.device).eval()
+    if torch.device(args.device).type == "cpu":
+        print(cpu.describe_cpu(torch.get_num_threads()))
+    args.dtype, why = speedups.resolve_dtype(args.dtype, torch.device(args.device).type, model.config.n_embd)
+    print(why)
     print(f"{args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters; "
           f"{len(examples)} HellaSwag {args.split} examples on {args.device}, {args.dtype}, "
           f"{args.batch_size} examples per forward")

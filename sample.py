@@ -17,12 +17,11 @@ import codecs
 import os
 import sys
 import time
-from contextlib import nullcontext
 
 import torch
 from torch.nn import functional as F
 
-from plumbing import cpu
+from plumbing import cpu, speedups, world
 import tokenizer
 
 
@@ -119,7 +118,7 @@ def stream_sample(model, ids, max_new_tokens, temperature=1.0, top_k=None, gener
     the next token completes them, so the stream never shows half a character."""
     out = out or sys.stdout
     device = next(model.parameters()).device
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
+    autocast = speedups.autocast(dtype, device.type)
     enc = tokenizer.get_encoding()
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
     new = []
@@ -146,7 +145,8 @@ def main(argv=None):
     p.add_argument("--top_k", type=int, default=50, help="sample among the k most likely tokens (0 = all; 1 = greedy)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | xpu | mps")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="autocast dtype of the forward pass")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="precision of the forward pass; "
+                   "auto = bf16 where this machine computes it natively and faster, else fp32")
     args = p.parse_args(argv)
     cpu.warm_up_vector_math()  # results independent of thread timing (see plumbing/cpu.py)
 
@@ -156,12 +156,14 @@ def main(argv=None):
     for flag in ("num_samples", "max_new_tokens", "top_k", "temperature"):
         if getattr(args, flag) < (1 if flag == "num_samples" else 0):
             raise SystemExit(f"error: --{flag} must be {'positive' if flag == 'num_samples' else '>= 0'}")
-    if args.device == "auto":
-        args.device = ("cuda" if torch.cuda.is_available() else
-                       "xpu" if hasattr(torch, "xpu") and torch.xpu.is_available() else "cpu")
+    args.device = world.pick_device(args.device, 0, 1)
 
     model = load_model(args.ckpt_path, args.init_from)
     model.to(args.device).eval()
+    if torch.device(args.device).type == "cpu":  # (stderr: stdout is the samples alone)
+        print(cpu.describe_cpu(torch.get_num_threads()), file=sys.stderr)
+    args.dtype, why = speedups.resolve_dtype(args.dtype, torch.device(args.device).type, model.config.n_embd)
+    print(why, file=sys.stderr)
     ids = prompt_tokens(args.prompt, model.config.block_size)
     # one generator, seeded once: the same command prints the same samples
     generator = torch.Generator(device=args.device).manual_seed(args.seed)

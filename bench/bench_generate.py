@@ -17,7 +17,7 @@ import time
 import torch
 
 import common  # before tokenizer and train_gpt2: it puts the repository root on sys.path
-from plumbing import cpu
+from plumbing import cpu, speedups
 import sample
 import tokenizer
 from train_gpt2 import GPTConfig
@@ -41,7 +41,7 @@ def main():
     common.add_dtype_and_threads(p)
     args = p.parse_args()
     model = common.random_model(GPTConfig(), args.threads).eval()  # GPT-2 (124M) shape
-    args.dtype, dtype_line = common.resolve_dtype(args.dtype, model.config.n_embd)  # now that the threads are set
+    args.dtype, dtype_line = speedups.resolve_dtype(args.dtype, "cpu", model.config.n_embd)  # now that the threads are set
     print(cpu.describe_cpu(torch.get_num_threads()))
     print(dtype_line)
     idx = torch.tensor([tokenizer.encode(args.prompt)] * args.num_samples)
@@ -53,7 +53,7 @@ def main():
     ways = {"KV cache": sample.generate(model, idx, n, top_k=1), "plain": plain_generate(model, idx, n)}
     seconds = {name: 0.0 for name in ways}
     tokens = {name: [] for name in ways}
-    with common.autocast(args.dtype):
+    with speedups.autocast(args.dtype, "cpu"):
         for step in range(n):
             for name, gen in ways.items():
                 t0 = time.perf_counter()

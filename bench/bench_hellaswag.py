@@ -25,7 +25,7 @@ from torch.nn import functional as F
 import common  # before hellaswag, tokenizer and train_gpt2: it puts the repository root on sys.path
 import hellaswag
 import tokenizer
-from plumbing import cpu
+from plumbing import cpu, speedups
 from train_gpt2 import DEMO_ARGS, PADDED_VOCAB_SIZE, GPTConfig
 
 
@@ -68,7 +68,7 @@ def per_example(model, examples, dtype):
         for i, row in enumerate(rows):
             tokens[i, :len(row)] = torch.tensor(row)
             mask[i, len(ctx):len(row)] = 1
-        with common.autocast(dtype):
+        with speedups.autocast(dtype, "cpu"):
             logits, _ = model(tokens)
         losses = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
         out.append((losses.view(4, -1) * mask[:, 1:]).sum(1) / mask[:, 1:].sum(1))
@@ -86,7 +86,7 @@ def main():
     demo_shape = {k: DEMO_ARGS[k] for k in ("n_layer", "n_head", "n_embd", "block_size")}
     config = GPTConfig() if args.model == "124M" else GPTConfig(vocab_size=PADDED_VOCAB_SIZE, **demo_shape)
     model = common.random_model(config, args.threads).eval()
-    args.dtype, dtype_line = common.resolve_dtype(args.dtype, config.n_embd)  # now that the threads are set
+    args.dtype, dtype_line = speedups.resolve_dtype(args.dtype, "cpu", config.n_embd)  # now that the threads are set
     print(cpu.describe_cpu(torch.get_num_threads()))
     print(dtype_line)
     rounds = synthetic_rounds(args.rounds, max(args.batch_sizes))

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import common  # before plumbing: it puts the repository root on sys.path
-from plumbing import cpu
+from plumbing import cpu, speedups
 
 REPO = common.REPO
 SHAPES = {"small": (12, 12, 768), "medium": (24, 16, 1024), "large": (36, 20, 1280), "xl": (48, 25, 1600)}
@@ -60,7 +60,7 @@ def main():
     n_layer, n_head, n_embd = SHAPES[args.model]
     # auto is decided here, for the threads each rank will have (its share of the cores), and passed on
     torch.set_num_threads(max(1, cpu.physical_cores() // args.ranks))
-    args.dtype, dtype_line = common.resolve_dtype(args.dtype, n_embd)
+    args.dtype, dtype_line = speedups.resolve_dtype(args.dtype, "cpu", n_embd)
     print(cpu.describe_cpu(torch.get_num_threads()) + " per rank")
     print(dtype_line)
     n_params = 12 * n_layer * n_embd**2 + 50304 * n_embd + 1024 * n_embd  # blocks, embeddings (lm_head tied)

@@ -133,9 +133,9 @@ def worker(cfg, args):
         speedups.compile_cache_dir()
     model = speedups.compile_model(raw_model, cfg.get("budget")) if cfg["compile"] else raw_model
     # the dtype, decided here: the matmul rates that decide are those of this process's threads
-    dtype_name, dtype_line = common.resolve_dtype(cfg.get("dtype", args.dtype), args.n_embd)
+    dtype_name, dtype_line = speedups.resolve_dtype(cfg.get("dtype", args.dtype), "cpu", args.n_embd)
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
-    autocast = common.autocast(dtype_name)
+    autocast = speedups.autocast(dtype_name, "cpu")
 
     def step():
         # the inner loop of train_gpt2.py, without data loading, DDP and logging

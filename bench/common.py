@@ -8,7 +8,6 @@ import ctypes
 import os
 import signal
 import sys
-from contextlib import nullcontext
 
 import torch
 
@@ -16,7 +15,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from plumbing import cpu  # noqa: E402  (it is found through the lines above)
 from train_gpt2 import GPT  # noqa: E402
 
 
@@ -30,19 +28,6 @@ def add_dtype_and_threads(parser):
     """The two flags every benchmark has: the precision it measures in, and the torch threads."""
     add_dtype(parser)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
-
-
-def resolve_dtype(requested, width):
-    """--dtype auto|bf16|fp32 -> ('bf16' or 'fp32', the line saying why), as plumbing.cpu decides it for
-    training. Call it once torch's thread count is set: the matmul rates it compares (at the model's
-    shape, `width` = n_embd, measured once per machine and cached) are those of these threads."""
-    rates = {"bf16": cpu.matmul_rate(torch.bfloat16, width), "fp32": cpu.matmul_rate(torch.float32, width)}
-    return cpu.choose_dtype(requested, cpu.native_bf16(), rates)
-
-
-def autocast(dtype):
-    """bf16 autocast on the CPU, as train_gpt2.py runs it, or nothing for fp32."""
-    return torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
 
 
 def random_model(config, threads=0):

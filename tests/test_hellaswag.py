@@ -16,6 +16,7 @@ from torch.nn import functional as F
 import hellaswag
 import tokenizer
 from conftest import HELLASWAG_EXAMPLES, REPO, write_hellaswag
+from plumbing import cpu
 from train_gpt2 import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -246,13 +247,18 @@ def test_cli_downloads_and_evaluates_a_checkpoint(server, tmp_path):
     ckpt = tmp_path / "model_00010.pt"
     torch.save({"model": model.state_dict(), "config": TINY, "step": 10}, ckpt)
     expected = hellaswag.evaluate(model, EXAMPLES[:5], batch_size=1)
-    env = dict(os.environ, HELLASWAG_URL=base, OMP_NUM_THREADS="1")
+    env = dict(os.environ, HELLASWAG_URL=base, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path / "cache"))
     cmd = [sys.executable, os.path.join(REPO, "hellaswag.py"), "-m", str(ckpt), "--data_dir", str(tmp_path / "hs"),
            "--limit", "5", "--batch_size", "3", "--device", "cpu"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert f"5 acc: {expected['acc']:.4f} acc_norm: {expected['acc_norm']:.4f}" in proc.stdout
     assert os.path.isfile(tmp_path / "hs" / "hellaswag_val.jsonl")
+    assert "dtype: fp32 (--dtype fp32;" in proc.stdout  # fp32 unless asked: the published scores' protocol
+    proc = subprocess.run(cmd + ["--dtype", "auto"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and "dtype: " in proc.stdout and "warning" not in proc.stdout, proc.stderr
+    auto = "bf16" if "dtype: bf16 (" in proc.stdout else "fp32"
+    assert f"dtype: {auto} (" in proc.stdout and (auto == "fp32" or cpu.native_bf16())
     # bad input: one clear line, before any model is loaded
     proc = subprocess.run(cmd[:3] + [str(tmp_path / "missing.pt")], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: -m ")

@@ -10,6 +10,7 @@ from torch.nn import functional as F
 import sample
 import tokenizer
 from conftest import REPO, make_shards, run_train, tiny_run_args
+from plumbing import cpu, speedups
 from train_gpt2 import GPT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -66,7 +67,7 @@ def expected_output(model, prompt, num_samples, n, temperature, top_k, seed):
 
 
 def run_main(capsys, *argv):
-    sample.main(["--device", "cpu", *map(str, argv)])
+    sample.main(["--device", "cpu", "--dtype", "fp32", *map(str, argv)])  # expected_output computes in fp32
     return capsys.readouterr()
 
 
@@ -150,3 +151,18 @@ def test_command_line(ckpt, tmp_path):
     assert proc.stdout.count(f"\n{PROMPT}") == 2
     proc = subprocess.run(cmd[:3] + [str(tmp_path / "nope.pt")], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode != 0 and proc.stderr.strip() == f"error: --ckpt_path {tmp_path / 'nope.pt'} not found"
+
+
+def test_dtype_follows_the_cpu_by_default(hf_dir, tmp_path, monkeypatch):
+    """No --dtype: bf16 only where this CPU computes it natively and faster (train_gpt2.py's decision),
+    said on stderr with the CPU it was made on; stdout stays the samples alone."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    expected, _ = speedups.resolve_dtype("auto", "cpu", 32)  # one thread here (one_thread), as below
+    cmd = [sys.executable, os.path.join(REPO, "sample.py"), "--init_from", hf_dir, "--num_samples", "1",
+           "--max_new_tokens", "4", "--device", "cpu"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path)))
+    assert proc.returncode == 0, proc.stderr
+    assert f"cpu: {cpu.cpu_name()}, " in proc.stderr and f"\ndtype: {expected} (" in proc.stderr
+    assert f"(cpu, {expected}, KV cache)" in proc.stderr and "dtype:" not in proc.stdout
+    assert expected == "fp32" or cpu.native_bf16()  # never bf16 where it is not native
