@@ -80,8 +80,9 @@ def compile_cache_dir():
 # What forward keeps for backward: left to itself, torch.compile keeps every tensor backward will read
 # (the MLP's input and its GELU output, a bf16 copy of each weight, ...). Given a budget below 1, its
 # partitioner recomputes the cheapest of them during backward instead. Measured at GPT-2 124M, B=4,
-# T=1024 with bench/bench_train.py --ab: budget 1 peaks at 4.0 GiB; 0.9 at 3.2 GiB, 1.02x faster than 0.8
-# and 0.97-1.0x as fast as 1; 0.5 also recomputes attention and is 20% slower.
+# T=1024 with bench/bench_train.py --ab on an AMD EPYC, 2 cores: in bf16 (AVX512-BF16), budget 1 peaks at
+# 4.0 GiB, 0.9 at 3.2 GiB, 1.02x faster than 0.8 and 0.97-1.0x as fast as 1 (0.5 also recomputes attention,
+# 20% slower); in fp32 (AVX2 only), 0.9 peaks at 4.5 GiB against 1's 5.3, at 1.00x its speed.
 ACTIVATION_MEMORY_BUDGET = 0.9
 
 
