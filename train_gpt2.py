@@ -397,8 +397,8 @@ def build_parser(defaults=True):
 
 # The demo: a small GPT on the Python standard library's own source, which every machine with Python has.
 # Sized for a CPU without native bf16 (fp32 there): its lm_head (50304 x 128) is most of its FLOPs, so it is
-# 128 wide. End to end, tokenizing included, on 2 cores: 72 s on AVX2 in fp32 (emulated on an AMD EPYC),
-# 55 s on AVX512-BF16 in bf16; final val loss 3.84. Eager: a cold torch.compile costs more than its faster
+# 128 wide. End to end, tokenizing included, on 2 cores: 68-72 s on AVX2 in fp32 (an AMD EPYC limited to it),
+# 50-55 s on AVX512-BF16 in bf16; final val loss 3.84. Eager: a cold torch.compile costs more than its faster
 # steps save in 60 of them (AVX2, fp32: 100 s compiled cold, 74 s with its kernels cached, 69 s eager).
 DEMO_ARGS = dict(n_layer=4, n_head=4, n_embd=128, block_size=256, seq_len=256, batch_size=8,
                  total_batch_size=2048, max_steps=60, warmup_steps=10, max_lr=3e-3, min_lr=3e-4,
