@@ -443,8 +443,12 @@ class Run:
     def share_of_matmul_rate(self, dt):
         """' | N% of this CPU's fp32 matmul rate': the step's FLOPs (6 per parameter and token, plus
         attention) per second on this rank, against what this CPU's matmuls reach at the model's shape."""
-        if self.matmul_rate is None:
+        if self.device_type != "cpu":
             return ""
+        if self.matmul_rate is None:  # after the first step, outside its time (measured once per machine, cached)
+            config, n_params = self.raw_model.config, sum(p.numel() for p in self.raw_model.parameters())
+            self.flops_per_token = cpu.flops_per_token(n_params, config.n_layer, config.n_embd, self.args.seq_len)
+            self.matmul_rate = cpu.matmul_rate(torch.bfloat16 if self.dtype == "bf16" else torch.float32, config.n_embd)
         per_rank = self.args.total_batch_size / self.ranks.world_size / dt * self.flops_per_token / 1e9
         return f" | {100 * per_rank / self.matmul_rate:.0f}% of this CPU's {self.dtype} matmul rate"
 
@@ -570,15 +574,11 @@ def build_model(run, ckpt):
     if ranks.master and args.checkpoint_interval > 0:  # weights and AdamW's two moments, in fp32
         checkpoints.check_free_space(args.log_dir, 12 * n_params, "a checkpoint")
     ranks.print0(f"model: {n_params / 1e6:.2f}M parameters, {config}")
-    run.flops_per_token = cpu.flops_per_token(n_params, config.n_layer, config.n_embd, args.seq_len)
-    if run.device_type == "cpu":  # (measured once per machine and shape, then cached)
-        run.matmul_rate = cpu.matmul_rate(torch.bfloat16 if run.dtype == "bf16" else torch.float32, config.n_embd)
     run.raw_model = model.to(ranks.device)  # the plain GPT: evaluation and sampling run it eagerly
 
 def prepare_training(run, ckpt, ckpt_file):
     """The optimizer, the resumed state, then the wrappers: IPEX, torch.compile, DDP. Returns the first step."""
-    args, ranks = run.args, run.ranks
-    model = run.raw_model
+    args, ranks, model = run.args, run.ranks, run.raw_model
     optimizer, fused = model.configure_optimizer(args.weight_decay, args.max_lr, run.device_type)
     ranks.print0(f"optimizer: AdamW, fused={fused}")
     start_step = 0
