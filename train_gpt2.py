@@ -789,7 +789,7 @@ def main(argv=None):
     world.check_same_weights(ranks, run.raw_model)  # DDP's promise: every rank ends with the same weights
     world.report_peak_memory(ranks)
     if ranks.world_size > 1:
-        del run.model  # DDP's reducer holds the process group: release it first (see world.leave_process_group)
+        run.model = run.raw_model = run.optimizer = None  # they hold the group (DDP's reducer, FSDP's mesh): freed first
         world.leave_process_group()
     if exit_code:
         raise SystemExit(exit_code)

@@ -276,6 +276,32 @@ def test_mpirun_three_ranks_equal_one_process(data, single, tmp_path, shard):
     assert final_weights_diff(single[0], log_dir) <= TOL
 
 
+def test_ranks_agree_on_bf16_only_if_every_cpu_computes_it_fast(data, tmp_path, monkeypatch, one_thread):
+    """--dtype auto on two ranks whose CPUs differ: MPICH's mpirun starts rank 1 with PyTorch, oneMKL and
+    oneDNN limited to AVX2 (a CPU without native bf16). Whatever rank 0's CPU, the run trains in fp32."""
+    mpirun = shutil.which("mpirun.mpich") or shutil.which("mpirun")
+    need(mpirun, "MPICH's mpirun")
+    from plumbing import speedups
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    # rank 0's choice, made here first on one thread as rank 0 runs: the rates are cached, so rank 0 reads
+    # the same ones, and its choice does not hang on the other rank's load on the cores while it measures
+    alone, _ = speedups.resolve_dtype("auto", "cpu", 32)
+    args = [str(a) for a in tiny_run_args(data, tmp_path / "log", "--dtype", "auto", "--max_steps", "2",
+                                          "--eval_interval", "0", "--checkpoint_interval", "2")]
+    avx2 = ["-env", "ATEN_CPU_CAPABILITY", "avx2", "-env", "ONEDNN_MAX_CPU_ISA", "AVX2",
+            "-env", "MKL_ENABLE_INSTRUCTIONS", "AVX2"]
+    # MPMD: rank 0 as this CPU is, then (after ':') rank 1 limited to AVX2; run_launched appends rank 1's script
+    launcher = (mpirun, "-n", "1", sys.executable, os.path.join(REPO, "train_gpt2.py"), *args, ":", "-n", "1", *avx2,
+                sys.executable)
+    env = clean_env(MASTER_PORT=free_port(), XDG_CACHE_HOME=tmp_path / "cache")
+    proc = run_launched(args, launcher, env)
+    assert "distributed: mpich, world size 2" in proc.stdout and "dtype: fp32 (" in proc.stdout
+    if alone == "bf16":  # rank 0 alone would have chosen bf16 here
+        assert "dtype: fp32 (some ranks' CPUs have no fast bf16)" in proc.stdout
+    assert "of this CPU's fp32 matmul rate" in proc.stdout
+    printed_digest(proc.stdout, 2)  # (and the ranks ended with the same weights, which the run checks)
+
+
 def test_resume_two_ranks_equals_uninterrupted_with_ccl_backend(two_ranks, tmp_path):
     """Resume a 2-rank run from its step-3 checkpoint: bit-identical losses and final weights.
 
