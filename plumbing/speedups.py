@@ -72,9 +72,12 @@ def find_ipex(mode, device_type):
 
 
 def compile_cache_dir():
-    """Where torch.compile keeps its kernels: $TORCHINDUCTOR_CACHE_DIR if set, else ~/.cache/gpt2-cpu/inductor
-    (PyTorch's own default, /tmp/torchinductor_$USER, is emptied at every reboot)."""
-    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir("inductor"))
+    """Where torch.compile keeps its kernels: $TORCHINDUCTOR_CACHE_DIR if set, else ~/.cache/gpt2-cpu/inductor/ISA
+    (PyTorch's own default, /tmp/torchinductor_$USER, is emptied at every reboot). One folder per vector ISA
+    (AVX512, AVX2, ...): a home folder can be shared by CPUs of different kinds, and kernels compiled under
+    AVX512 and then loaded in a process limited to AVX2 (ATEN_CPU_CAPABILITY=avx2) trained to NaN here."""
+    isa = torch.backends.cpu.get_cpu_capability()
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir("inductor", isa))
 
 
 # What forward keeps for backward: left to itself, torch.compile keeps every tensor backward will read
