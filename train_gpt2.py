@@ -407,8 +407,7 @@ DEMO_ARGS = dict(n_layer=4, n_head=4, n_embd=128, block_size=256, seq_len=256, b
 
 def print_next_steps(args, ranks):
     """The demo's last words: where its results went, and what to try next."""
-    found = list_checkpoints(args.log_dir)
-    ckpt = found[-1] if found else "(none: --checkpoint_interval 0)"
+    ckpt = (list_checkpoints(args.log_dir) or ["(none: --checkpoint_interval 0)"])[-1]
     ranks.print0(f"\ndemo finished: checkpoint {ckpt}, log {os.path.join(args.log_dir, 'log.txt')}. Next:\n"
                  f"  python sample.py --ckpt_path {ckpt} --prompt 'def '   # what it learned to write\n"
                  f"  jupyter notebook play.ipynb    # the loss curves (set log_dir = \"{args.log_dir}\" in its first cell)\n"
@@ -525,7 +524,7 @@ def open_data_and_lock_log_dir(run):
 
 def set_up_machine(run):
     """This rank's device, the process group joining the ranks, the CPU threads, the dtype this machine
-    computes fastest (run.dtype, run.autocast) and IPEX (run.ipex, applied once the optimizer exists)."""
+    computes fastest (run.dtype, run.autocast), and IPEX if it can run that dtype (run.ipex, applied later)."""
     args, ranks = run.args, run.ranks
     ranks.device = world.pick_device(args.device, ranks.local_rank, ranks.world_size)
     run.device_type = ranks.device.split(":")[0]
@@ -548,6 +547,7 @@ def set_up_machine(run):
             run.dtype, why = "fp32", "dtype: fp32 (some ranks' CPUs have no fast bf16)"
     ranks.print0(why)
     run.autocast = speedups.autocast(run.dtype, run.device_type)
+    run.ipex = speedups.ipex_for_dtype(run.ipex, args.ipex, run.dtype, run.device_type != "cpu" or torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 def build_model(run, ckpt):
     """The checkpoint's weights when resuming; else a scratch GPT-2, OpenAI's weights, or one of our checkpoints.

@@ -100,6 +100,19 @@ def can_compile(device_type):
     return device_type != "cpu" or any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++"))
 
 
+def ipex_for_dtype(ipex, mode, dtype, bf16_weights):
+    """IPEX as find_ipex found it, unless the run is bf16 on a CPU without what ipex.optimize's bf16 weights
+    need (bf16_weights: AVX-512 BW, VL and DQ, or AVX-NE-CONVERT, as torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    says; an AVX2 CPU has neither, and IPEX fails with an assertion there): then None with --ipex auto, and
+    a one-line error with --ipex on."""
+    if ipex is None or dtype != "bf16" or bf16_weights:
+        return ipex
+    if mode == "on":
+        raise SystemExit("error: --ipex on with bf16: IPEX's bf16 weights need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, "
+                         "which this CPU lacks; pass --dtype auto (fp32 here), or --ipex off")
+    return None
+
+
 def apply_ipex(ipex, model, optimizer, dtype, print0):
     """Intel Extension for PyTorch's optimize(), for the run's dtype ('bf16' or 'fp32'): after any checkpoint
     is loaded (checkpoints hold plain weights and optimizer state), before DDP (which must wrap the

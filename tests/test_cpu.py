@@ -111,3 +111,14 @@ def test_auto_resolves_the_same_way_in_a_run_as_here(tmp_path, monkeypatch, one_
                                   "--eval_interval", "0"), env={"XDG_CACHE_HOME": str(tmp_path / "cache")}).stdout
     assert f"dtype: {expected} (" in out and f"of this CPU's {expected} matmul rate" in out
     assert expected == "fp32" or cpu.native_bf16()  # never bf16 without native support
+
+
+def test_ipex_is_dropped_or_refused_where_it_cannot_run_bf16():
+    # ipex.optimize's bf16 weights need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; on an AVX2 CPU it asserts
+    ipex = object()  # stands for the module find_ipex returned: only whether it is kept matters here
+    assert speedups.ipex_for_dtype(ipex, "auto", "bf16", bf16_weights=True) is ipex
+    assert speedups.ipex_for_dtype(ipex, "auto", "fp32", bf16_weights=False) is ipex
+    assert speedups.ipex_for_dtype(None, "auto", "bf16", bf16_weights=False) is None
+    assert speedups.ipex_for_dtype(ipex, "auto", "bf16", bf16_weights=False) is None  # auto: train without it
+    with pytest.raises(SystemExit, match="--ipex on with bf16: IPEX's bf16 weights need AVX-512"):
+        speedups.ipex_for_dtype(ipex, "on", "bf16", bf16_weights=False)
