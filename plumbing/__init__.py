@@ -16,18 +16,15 @@ This file holds the two things they all share: one-line errors and the cache fol
 import json
 import os
 
-
 def one_line(e):
     """An exception as one line: errors we report must fit on one."""
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
-
 def cache_dir(*parts):
     """~/.cache/gpt2-cpu/... (or under $XDG_CACHE_HOME): the demo's shards, compiled kernels, token-id
     scans and measured matmul rates, kept across runs."""
     return os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")), "gpt2-cpu", *parts)
-
 
 def read_json(path):
     """A small cache file's contents, or {} if it is missing or unreadable."""
@@ -36,7 +33,6 @@ def read_json(path):
             return json.load(f)
     except (OSError, ValueError):
         return {}
-
 
 def write_json(path, obj):
     """A small cache file, replaced whole: ranks on one host may write at once, each to its own temporary

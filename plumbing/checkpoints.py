@@ -20,8 +20,6 @@ import torch
 
 from plumbing import one_line
 
-
-
 def atomic_save(obj, path):
     """torch.save to path.tmp, then rename: readers see the old file or the new one, never a mix.
     A failed write (a full disk, say) removes the partial .tmp and ends with one error line."""
@@ -40,7 +38,6 @@ def atomic_save(obj, path):
         raise SystemExit(f"error: cannot write {path} ({one_line(cause)}; {free / 2**20:.0f} MiB free there)") from None
     os.replace(tmp, path)
 
-
 def check_free_space(folder, needed, what):
     """One error line before training when a file we will write cannot fit."""
     free = shutil.disk_usage(folder).free
@@ -48,23 +45,19 @@ def check_free_space(folder, needed, what):
         raise SystemExit(f"error: {folder} has {free / 2**20:.0f} MiB free, but {what} needs about "
                          f"{needed / 2**20:.0f} MiB: free some space or choose another --log_dir")
 
-
 def checkpoint_path(log_dir, step, sharded=False):
     return os.path.join(log_dir, f"model_{step:05d}.{'dcp' if sharded else 'pt'}")
-
 
 def checkpoint_step(path):
     """model_00500.pt (one file) or model_00500.dcp (a folder, one file per rank: sharded runs) -> 500; else None."""
     m = re.fullmatch(r"model_(\d+)\.(pt|dcp)", os.path.basename(path))
     return int(m.group(1)) if m else None
 
-
 def list_checkpoints(log_dir):
     """Our checkpoints, oldest first, by step number (as text, model_100000.pt would sort before model_99999.pt).
     A folder being written is named *.tmp until it is whole, so it is never listed."""
     found = [f for f in glob.glob(os.path.join(log_dir, "model_*")) if checkpoint_step(f) is not None]
     return sorted(found, key=checkpoint_step)
-
 
 def prune_checkpoints(log_dir, keep, newer_than=None):
     """Keep the newest `keep` (0: all); or, given newer_than=S, delete those after step S."""
@@ -76,13 +69,11 @@ def prune_checkpoints(log_dir, keep, newer_than=None):
     for f in old:
         shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)
 
-
 def append_log(log_dir, ranks, *lines):
     """log.txt: one line per measurement ('STEP KIND VALUE'), written by rank 0 alone; play.ipynb plots it."""
     if ranks.master:
         with open(os.path.join(log_dir, "log.txt"), "a") as f:
             f.write("".join(line + "\n" for line in lines))
-
 
 def prepare_log_dir(log_dir, run_args, overwrite, fresh):
     """log.txt is appended to (--overwrite: emptied, and the old checkpoints deleted). A fresh run records
@@ -95,7 +86,6 @@ def prepare_log_dir(log_dir, run_args, overwrite, fresh):
             json.dump(run_args, f, indent=1)
         os.replace(os.path.join(log_dir, "args.json.tmp"), os.path.join(log_dir, "args.json"))
 
-
 def load_checkpoint(path):
     """A checkpoint file; or a sharded run's folder, whose meta.pt has all but the weights and AdamW state
     (checkpoints.load_sharded reads those, each rank its own pieces)."""
@@ -107,7 +97,6 @@ def load_checkpoint(path):
         raise SystemExit(f"error: cannot load checkpoint {path}: {one_line(e)}")
     verify_checksums({k: v for k, v in ckpt.items() if k != "checksums"}, ckpt.get("checksums", {}), path)
     return ckpt
-
 
 def save_sharded(path, model, optimizer, meta, ranks):
     """A sharded checkpoint: a folder where each rank writes its own pieces (torch.distributed.checkpoint),
@@ -128,7 +117,6 @@ def save_sharded(path, model, optimizer, meta, ranks):
         os.replace(tmp, path)
     torch.distributed.barrier()
 
-
 def load_sharded(path, model, optimizer=None):
     """The weights (and AdamW state) of a sharded checkpoint, into a model sharded over any number of ranks,
     or not sharded at all: each rank reads just the pieces it owns now (DCP reshards on load)."""
@@ -142,7 +130,6 @@ def load_sharded(path, model, optimizer=None):
     dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
 
-
 def tensor_checksums(obj, prefix=""):
     """{path: CRC-32 of the tensor's bytes} for every tensor in a nested dict/list (a checkpoint).
     CRC-32 catches every single flipped bit and every burst of up to 32, at ~1 GB/s."""
@@ -155,13 +142,11 @@ def tensor_checksums(obj, prefix=""):
         sums.update(tensor_checksums(v, f"{prefix}/{k}" if prefix else str(k)))
     return sums
 
-
 def verify_checksums(obj, expected, path):
     """A damaged tensor (a bit flipped on disk or in transit) is refused, naming the file and the tensor."""
     for name, crc in tensor_checksums(obj).items():
         if expected.get(name, crc) != crc:
             raise SystemExit(f"error: checkpoint {path} is damaged: tensor {name} does not match its checksum")
-
 
 def lock_folder(folder):
     """One writer per log folder: an advisory lock, held until this process ends (kill -9 included).

@@ -1,6 +1,7 @@
 """
-This CPU: how many threads a rank runs, what the C library does with freed memory, and the
-vector-math warm-up that keeps results independent of thread timing.
+This CPU: how many threads a rank runs, what the C library does with freed memory, the vector-math
+warm-up that keeps results independent of thread timing, and what it computes fast: native bf16 or
+not, its measured matmul rates, and so the dtype a run uses (choose_dtype) and its share of that rate.
 """
 import ctypes
 import os
@@ -15,6 +16,12 @@ from plumbing import cache_dir, read_json, write_json
 # -----------------------------------------------------------------------------
 # CPU threads: one per physical core, divided among the ranks that share those cores
 
+def cpuinfo_lines():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read().splitlines()
+    except OSError:
+        return []
 
 def physical_cores(cpus=None):
     """Physical cores among the given logical CPUs (default: those this process may run on).
@@ -22,24 +29,16 @@ def physical_cores(cpus=None):
     only adds contention."""
     if cpus is None:
         cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    cpus = set(cpus)
-    try:
-        cores = set()
-        with open("/proc/cpuinfo") as f:
+    cpus, cores, info = set(cpus), set(), {}
+    for line in cpuinfo_lines() + [""]:  # a block of 'key: value' lines per logical CPU, then a blank line
+        if ":" in line:
+            key, value = (s.strip() for s in line.split(":", 1))
+            info[key] = value
+        elif info:
+            if info.get("processor", "").isdigit() and int(info["processor"]) in cpus:
+                cores.add((info.get("physical id"), info.get("core id", info["processor"])))
             info = {}
-            for line in f.read().splitlines() + [""]:
-                if ":" in line:
-                    key, value = (s.strip() for s in line.split(":", 1))
-                    info[key] = value
-                elif info:
-                    cpu = int(info.get("processor", -1))
-                    if cpu in cpus:
-                        cores.add((info.get("physical id"), info.get("core id", cpu)))
-                    info = {}
-        return max(1, len(cores)) if cores else len(cpus)
-    except (OSError, ValueError):
-        return max(1, len(cpus))
-
+    return max(1, len(cores) if cores else len(cpus))
 
 def ranks_sharing_cpus(mine, host, everyone, local_world):
     """How many ranks of this node (mine among them) run on CPUs that overlap mine.
@@ -47,7 +46,6 @@ def ranks_sharing_cpus(mine, host, everyone, local_world):
     everyone: (hostname, CPU list) of every rank. Capped by the launcher's count of ranks on this
     node, since hosts in containers or network namespaces can share a hostname."""
     return max(1, min(local_world, sum(h == host and not mine.isdisjoint(cpus) for h, cpus in everyone)))
-
 
 def cpu_list(cpus):
     """{0,1,2,3,8} -> '0-3,8', the notation of taskset and /proc/self/status."""
@@ -58,7 +56,6 @@ def cpu_list(cpus):
         else:
             out.append([c, c])
     return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in out)
-
 
 def set_cpu_threads(threads, world_size, local_world):
     """torch's thread count for this rank; returns a line saying how it was chosen.
@@ -77,14 +74,12 @@ def set_cpu_threads(threads, world_size, local_world):
             f"{local_world} rank(s) on this node, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
             f"affinity {cpu_list(mine)}")
 
-
 # -----------------------------------------------------------------------------
 # Same numbers in every process. oneMKL 2024.2 (inside torch 2.13's wheels) picks each vector-math
 # function's kernel (exp, log, tanh, ...) at its first call; when that first call runs on several threads
 # at once, one thread can compute its whole chunk with a low-accuracy kernel (pytorch/pytorch#188792).
 # Results then depend on thread timing: the same resume gave 10.572952 in one process and 10.572960 in
 # another. One call on one element, made by one thread before any parallel work, settles every kernel.
-
 
 def warm_up_vector_math():
     threads = torch.get_num_threads()
@@ -101,7 +96,6 @@ def warm_up_vector_math():
     finally:
         torch.set_num_threads(threads)
 
-
 # -----------------------------------------------------------------------------
 # Memory: keep what was freed. A training step allocates and frees the same big tensors every time
 # (activations, logits chunks, gradients). glibc's malloc serves every block over 32 MB with its own
@@ -109,7 +103,6 @@ def warm_up_vector_math():
 # at a time, zero-filled: ~550,000 faults, about a sixth of a 124M step on a 2-core VM. Telling malloc
 # never to use mmap for big blocks, and never to give the top of its heap back, lets the second step
 # reuse the first one's memory: no faults after warm-up (bench/bench_train.py shows faults/step and the A/B).
-
 
 def keep_freed_memory():
     """mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, -1) where the C library is glibc; True if set.
@@ -124,7 +117,6 @@ def keep_freed_memory():
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # from glibc's malloc.h
     return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))
 
-
 # -----------------------------------------------------------------------------
 # The dtype: bf16 only where this CPU computes it natively. With AVX512-BF16 or AMX (x86), or Arm's BF16
 # extension, oneDNN runs bf16 matmuls at over twice the fp32 rate (AMD EPYC Zen 4, 2 cores: 418 vs 184
@@ -135,7 +127,6 @@ def keep_freed_memory():
 
 BF16_MIN_SPEEDUP = 1.25  # bf16's matmul must beat fp32's by this much to pay for autocast's casts
 
-
 def cpu_name():
     """The CPU's model name, as /proc/cpuinfo gives it (else the platform's word for it)."""
     import platform
@@ -143,15 +134,6 @@ def cpu_name():
         if line.split(":")[0].strip() in ("model name", "Model", "CPU part"):
             return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
-
-
-def cpuinfo_lines():
-    try:
-        with open("/proc/cpuinfo") as f:
-            return f.read().splitlines()
-    except OSError:
-        return []
-
 
 def native_bf16():
     """Does this CPU compute bf16 in hardware, and will PyTorch use it? x86: AVX512-BF16 or AMX flags;
@@ -162,12 +144,10 @@ def native_bf16():
             flags.update(line.split(":", 1)[1].split())
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"}) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
-
 def describe_cpu(threads):
     """The startup line: what this CPU offers, and how much of it the run uses."""
     return (f"cpu: {cpu_name()}, {torch.backends.cpu.get_cpu_capability()}, native bf16: "
             f"{'yes' if native_bf16() else 'no'}, {threads} torch thread(s)")
-
 
 def matmul_rate(dtype, width, seconds=0.05):
     """GFLOP/s of this CPU, on torch's threads now, at the model's matmul shape: (M, width) @ (width,
@@ -182,7 +162,6 @@ def matmul_rate(dtype, width, seconds=0.05):
         cache[key] = measure_matmul_rate(dtype, width, seconds)
         write_json(cache_file, cache)
     return cache[key]
-
 
 def measure_matmul_rate(dtype, width, seconds):
     rows = 16
@@ -201,7 +180,6 @@ def measure_matmul_rate(dtype, width, seconds):
         best = min(best, time.perf_counter() - t0)
     return 2 * rows * width * 4 * width / best / 1e9
 
-
 def choose_dtype(requested, native, rates):
     """The run's dtype for --dtype auto|bf16|fp32 on a CPU: native (native_bf16()) and rates
     ({'bf16': GFLOP/s, 'fp32': GFLOP/s}, matmul_rate's) decide. Returns (dtype, line to print), the
@@ -219,7 +197,6 @@ def choose_dtype(requested, native, rates):
         return "bf16", f"dtype: bf16 ({isa}, native bf16: {measured}; --dtype fp32 for full precision)"
     why = "native bf16, but not faster" if native else "no native bf16"
     return "fp32", f"dtype: fp32 ({isa}, {why}: {measured}; --dtype bf16 forces it)"
-
 
 def flops_per_token(n_params, n_layer, n_embd, seq_len):
     """Training FLOPs per token (forward + backward): 6 per parameter (2 forward, 4 backward), plus

@@ -31,7 +31,6 @@ def check_enough_tokens(shards, files, T, what):
         raise SystemExit(f"error: the {what} shards ({', '.join(map(os.path.basename, files))}) hold fewer "
                          f"than the {T + 1} tokens one sequence of --seq_len {T} needs")
 
-
 def check_token_ids(files, vocab_size, print0=None):
     """Every token id must have an embedding row: a larger one would crash training when its block comes up.
     Ids from 50257 to the padded vocabulary's end are never produced by GPT-2's tokenizer: a warning."""
@@ -41,7 +40,6 @@ def check_token_ids(files, vocab_size, print0=None):
             raise SystemExit(f"error: shard {f} holds token id {top}, beyond the model's vocabulary of {vocab_size}")
         if top >= 50257 and print0:
             print0(f"warning: shard {f} holds token id {top}: a padding id no GPT-2 tokenizer produces")
-
 
 def max_token_id(path, tokens):
     """The largest id in a memory-mapped shard, remembered in ~/.cache/gpt2-cpu/max_token_ids.json by the
@@ -54,7 +52,6 @@ def max_token_id(path, tokens):
         cache[key] = int(tokens.max())
         write_json(cache_file, cache)
     return cache[key]
-
 
 def pretrained_files(name_or_path, hub_names):
     """(config.json, model.safetensors) of OpenAI's GPT-2 on the Hugging Face hub, or in a local folder."""
@@ -75,7 +72,6 @@ def pretrained_files(name_or_path, hub_names):
         raise SystemExit(f"error: --init_from {name_or_path!r} is neither one of {', '.join(hub_names)} "
                          "nor a directory holding config.json and model.safetensors")
     return config_file, weights_file
-
 
 def copy_pretrained_weights(weights_file, params, transposed):
     """Fill params ({name: parameter}, sharded or not) from a safetensors file in the Hugging Face layout,

@@ -20,7 +20,6 @@ def shard_model(model, ranks, bf16):
     fully_shard(model, mp_policy=policy)
     ranks.print0(f"shard: FSDP2, each rank holds 1/{ranks.world_size} of the weights, gradients and AdamW state")
 
-
 def build_sharded(build, ranks, bf16, init_weights=True):
     """build() -> a model, sharded without any rank ever holding all of it: it is built on the meta device
     (shapes, no storage), sharded, and only then given memory: each rank allocates just its pieces.
@@ -57,7 +56,6 @@ def build_sharded(build, ranks, bf16, init_weights=True):
                 copy_weight(getattr(module, key), value)
     return model
 
-
 def copy_weight(param, full):
     """param = full; for a sharded parameter (a DTensor), just the piece of full that this rank holds."""
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -66,7 +64,6 @@ def copy_weight(param, full):
             param, full = param.to_local(), distribute_tensor(full, param.device_mesh, param.placements,
                                                               src_data_rank=None).to_local()
         param.copy_(full)
-
 
 def load_full_optimizer_state(model, optimizer, state):
     """A plain checkpoint's AdamW state (as optimizer.state_dict() numbers the parameters) into the

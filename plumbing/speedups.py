@@ -16,7 +16,6 @@ from plumbing import cache_dir, cpu
 # AVX512-BF16 or AMX, more than doubles its rate; on one without (AVX2: most laptops, many cloud VMs),
 # PyTorch's fallback for bf16 matmuls runs ~150x slower than fp32 (1 vs 170 GFLOP/s, pytorch#118499).
 
-
 def resolve_dtype(requested, device_type, width):
     """--dtype auto|bf16|fp32 -> ('bf16' or 'fp32', the line that says why). On a CPU: bf16 where it is
     native and measured faster at the model's width (cpu.choose_dtype); call it once torch's threads are
@@ -29,14 +28,12 @@ def resolve_dtype(requested, device_type, width):
     fast = device_type == "xpu" or (device_type == "cuda" and torch.cuda.is_bf16_supported())
     return ("bf16", f"dtype: bf16 ({device_type})") if fast else ("fp32", f"dtype: fp32 ({device_type} without bf16)")
 
-
 def autocast(dtype, device_type):
     """The forward pass in `dtype`: 'bf16' runs it under autocast (matmuls in bf16, softmax and norms in
     fp32, weights kept in fp32); 'fp32' is plain PyTorch."""
     if dtype not in ("bf16", "fp32"):
         raise ValueError(f"dtype must be 'bf16' or 'fp32', not {dtype!r}")
     return torch.autocast(device_type, dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
-
 
 def find_ipex(mode, device_type):
     """Intel Extension for PyTorch when --ipex asks for it (on) or allows it (auto) and it can run, else None.
@@ -65,11 +62,9 @@ def find_ipex(mode, device_type):
     import intel_extension_for_pytorch as ipex
     return ipex
 
-
 # -----------------------------------------------------------------------------
 # torch.compile: the first step traces the model and compiles C++ kernels for it (~30 s for
 # GPT-2 124M on 2 cores); the kernels are cached on disk, so a later run starts in a few seconds
-
 
 def compile_cache_dir():
     """Where torch.compile keeps its kernels: $TORCHINDUCTOR_CACHE_DIR if set, else ~/.cache/gpt2-cpu/inductor/ISA
@@ -79,7 +74,6 @@ def compile_cache_dir():
     isa = torch.backends.cpu.get_cpu_capability()
     return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir("inductor", isa))
 
-
 # What forward keeps for backward: left to itself, torch.compile keeps every tensor backward will read
 # (the MLP's input and its GELU output, a bf16 copy of each weight, ...). Given a budget below 1, its
 # partitioner recomputes the cheapest of them during backward instead. Measured at GPT-2 124M, B=4,
@@ -88,17 +82,14 @@ def compile_cache_dir():
 # 20% slower); in fp32 (AVX2 only), 0.9 peaks at 4.5 GiB against 1's 5.3, at 1.00x its speed.
 ACTIVATION_MEMORY_BUDGET = 0.9
 
-
 def compile_model(model, memory_budget=None):
     import torch._functorch.config
     torch._functorch.config.activation_memory_budget = memory_budget or ACTIVATION_MEMORY_BUDGET
     return torch.compile(model)
 
-
 def can_compile(device_type):
     """On CPU, torch.compile needs a C++ compiler; without one it would fail at the first step."""
     return device_type != "cpu" or any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++"))
-
 
 def ipex_for_dtype(ipex, mode, dtype, bf16_weights):
     """IPEX as find_ipex found it, unless the run is bf16 on a CPU without what ipex.optimize's bf16 weights
@@ -112,7 +103,6 @@ def ipex_for_dtype(ipex, mode, dtype, bf16_weights):
                          "which this CPU lacks; pass --dtype auto (fp32 here), or --ipex off")
     return None
 
-
 def apply_ipex(ipex, model, optimizer, dtype, print0):
     """Intel Extension for PyTorch's optimize(), for the run's dtype ('bf16' or 'fp32'): after any checkpoint
     is loaded (checkpoints hold plain weights and optimizer state), before DDP (which must wrap the
@@ -122,7 +112,6 @@ def apply_ipex(ipex, model, optimizer, dtype, print0):
     print0(f"ipex: intel_extension_for_pytorch {ipex.__version__}, optimize(dtype={dtype}) "
            f"(--ipex off to train without it)")
     return model, optimizer
-
 
 def compile_if_possible(model, ipex, device_type, print0):
     """torch.compile the training model unless something rules it out. Returns (model, whether compiled)."""

@@ -22,7 +22,6 @@ import torch
 # -----------------------------------------------------------------------------
 # Launchers: every launcher already tells each process who it is, each under its own names
 
-
 def detect_launch(env=os.environ):
     """(rank, world_size, local_rank, local_world_size, launcher) from the launcher's variables.
 
@@ -61,7 +60,6 @@ def detect_launch(env=os.environ):
                          f"local rank {local_rank} of {local_world}")
     return rank, world, local_rank, local_world, launcher
 
-
 def slurm_tasks_on_node(tasks_per_node, node):
     """SLURM_STEP_TASKS_PER_NODE looks like "2(x3),1": the number of tasks on each node, in node order."""
     per_node = []
@@ -71,7 +69,6 @@ def slurm_tasks_on_node(tasks_per_node, node):
             raise SystemExit(f"error: cannot parse SLURM_STEP_TASKS_PER_NODE={tasks_per_node!r}")
         per_node += [int(m.group(1))] * int(m.group(2) or 1)
     return per_node[node] if node < len(per_node) else 1
-
 
 @dataclass
 class Ranks:
@@ -96,7 +93,6 @@ class Ranks:
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)  # SUM: AVG is not on every CPU backend
         return t
 
-
 def check_same_weights(ranks, model):
     """Every rank must hold the same weights at the end; a checksum per rank proves it.
     (The state dict: full fp32 weights in plain layout, also under IPEX, whose parameters are bf16 halves.)
@@ -115,7 +111,6 @@ def check_same_weights(ranks, model):
             raise SystemExit(f"error: ranks hold different parameters after training: {digests}")
     ranks.print0(f"parameter sha256 (all {ranks.world_size} rank(s)): {digest}")
 
-
 def report_peak_memory(ranks):
     """Each rank's peak resident memory (what the OS counts: weights, optimizer state, activations, buffers)."""
     import resource
@@ -125,7 +120,6 @@ def report_peak_memory(ranks):
         torch.distributed.all_gather_object(peaks, peak)
     ranks.print0(f"peak memory per rank: {', '.join(f'{p:.2f}' for p in peaks)} GiB")
 
-
 def check_same_start(ranks, start_step):
     steps = [None] * ranks.world_size
     torch.distributed.all_gather_object(steps, start_step)
@@ -133,10 +127,8 @@ def check_same_start(ranks, start_step):
         raise SystemExit(f"error: the ranks resumed from different steps {steps}: give every rank the same "
                          "checkpoint (a --log_dir on a shared file system, or the same --resume file)")
 
-
 # -----------------------------------------------------------------------------
 # The process group: the ranks find each other through rank 0's address
-
 
 def init_process_group(backend, rank, world_size, local_world, launcher, timeout_s):
     """Join the other ranks; one error line if MASTER_ADDR is missing where it must be given, or unreachable."""
@@ -164,7 +156,6 @@ def init_process_group(backend, rank, world_size, local_world, launcher, timeout
                          f"(backend {backend}, --dist_timeout {timeout_s:g}s): {e}") from None
     return where
 
-
 def run_main(main):
     """Run a script's main(). A failed collective (a rank died or hung) ends this rank with one line and
     exit code 1, at once: the destructors of a broken process group can block on the dead peer."""
@@ -178,7 +169,6 @@ def run_main(main):
         sys.stdout.flush()
         os._exit(1)
 
-
 def collective_failure(e):
     """A one-line reason when e is a failed collective (a rank died or hung, the network broke), else None."""
     import torch.distributed as dist
@@ -191,10 +181,8 @@ def collective_failure(e):
     return (f"error: rank {dist.get_rank()}: a collective with the other ranks failed, so training stops "
             f"(another rank died or hung past --dist_timeout, or the network failed): {reason}")
 
-
 # -----------------------------------------------------------------------------
 # The backend: how the ranks exchange tensors
-
 
 def choose_backend(requested, device_type):
     """The process group backend: oneCCL when Intel's bindings are installed, else PyTorch's own."""
@@ -217,10 +205,8 @@ def choose_backend(requested, device_type):
         raise SystemExit(f"error: --backend {requested} does not work with --device {device_type}")
     return requested
 
-
 # -----------------------------------------------------------------------------
 # Stopping cleanly: schedulers (Slurm, Kubernetes, PBS) send SIGTERM some time before SIGKILL
-
 
 class GracefulStop:
     """SIGTERM and SIGINT (Ctrl-C) ask the run to stop at the next step boundary, after a checkpoint;
@@ -248,10 +234,8 @@ class GracefulStop:
             return int(flag)
         return self.signum
 
-
 # -----------------------------------------------------------------------------
 # The device each rank computes on
-
 
 def pick_device(requested, local_rank, world_size):
     """--device auto: a GPU when there is one, else the CPU. Several ranks on one GPU machine take one GPU each."""
@@ -266,7 +250,6 @@ def pick_device(requested, local_rank, world_size):
         requested = f"cuda:{local_rank}"
         torch.cuda.set_device(requested)
     return requested
-
 
 def leave_process_group():
     """Tear the process group down, with the models already dropped (gc.collect frees them now, reference
