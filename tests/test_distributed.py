@@ -518,7 +518,7 @@ assert list(a) == list(b)
 for k in a:
     assert b[k].to_local().numel() < b[k].numel(), k  # each rank holds a piece, not the whole
     assert torch.equal(a[k].full_tensor(), b[k].full_tensor()), k
-print("same weights", len(a))
+print(f"same weights {len(a)}")  # one write: the two ranks share this pipe
 del whole, built, a, b
 world.leave_process_group()
 """
