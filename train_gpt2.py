@@ -736,7 +736,6 @@ def prune_or_stop_if_diverged(run, step, updated, skipped):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    speedups.compile_cache_dir()  # now: building the optimizer already makes torch settle on a cache folder
     cpu.warm_up_vector_math()  # so that a resumed run computes exactly what the uninterrupted one did
     stop = world.GracefulStop()  # SIGTERM / Ctrl-C: finish the step, save a checkpoint, exit
     # How to run is the launcher's decision: torchrun, mpirun and srun each tell every process its rank

@@ -129,8 +129,6 @@ def worker(cfg, args):
     B = cfg.get("batch_size", args.batch_size)
     batches = [(torch.randint(0, 50257, (B, args.seq_len)), torch.randint(0, 50257, (B, args.seq_len)))
                for _ in range(args.grad_accum)]
-    if cfg["compile"]:
-        speedups.compile_cache_dir()
     model = speedups.compile_model(raw_model, cfg.get("budget")) if cfg["compile"] else raw_model
     # the dtype, decided here: the matmul rates that decide are those of this process's threads
     dtype_name, dtype_line = speedups.resolve_dtype(cfg.get("dtype", args.dtype), "cpu", args.n_embd)

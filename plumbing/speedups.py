@@ -67,12 +67,17 @@ def find_ipex(mode, device_type):
 # GPT-2 124M on 2 cores); the kernels are cached on disk, so a later run starts in a few seconds
 
 def compile_cache_dir():
-    """Where torch.compile keeps its kernels: $TORCHINDUCTOR_CACHE_DIR if set, else ~/.cache/gpt2-cpu/inductor/ISA
+    """Where torch.compile keeps its kernels: $TORCHINDUCTOR_CACHE_DIR if you set it, else ~/.cache/gpt2-cpu/inductor/ISA
     (PyTorch's own default, /tmp/torchinductor_$USER, is emptied at every reboot). One folder per vector ISA
     (AVX512, AVX2, ...): a home folder can be shared by CPUs of different kinds, and kernels compiled under
-    AVX512 and then loaded in a process limited to AVX2 (ATEN_CPU_CAPABILITY=avx2) trained to NaN here."""
-    isa = torch.backends.cpu.get_cpu_capability()
-    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir("inductor", isa))
+    AVX512 and then loaded in a process limited to AVX2 (ATEN_CPU_CAPABILITY=avx2) trained to NaN here.
+    PyTorch writes its default into the variable itself on first use (building a fused AdamW does), and child
+    processes inherit it: that value is PyTorch's choice, not yours, so it is replaced too."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir("inductor", torch.backends.cpu.get_cpu_capability())
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 # What forward keeps for backward: left to itself, torch.compile keeps every tensor backward will read
 # (the MLP's input and its GELU output, a bf16 copy of each weight, ...). Given a budget below 1, its
@@ -83,6 +88,7 @@ def compile_cache_dir():
 ACTIVATION_MEMORY_BUDGET = 0.9
 
 def compile_model(model, memory_budget=None):
+    compile_cache_dir()
     import torch._functorch.config
     torch._functorch.config.activation_memory_budget = memory_budget or ACTIVATION_MEMORY_BUDGET
     return torch.compile(model)

@@ -139,6 +139,26 @@ def test_training_curves_agree(monkeypatch):
     assert (ours_bf16 - plain).abs().max() <= 2 * (plain_bf16 - plain).abs().max() + 1e-3
 
 
+def test_compiled_kernels_go_to_this_isas_folder_unless_you_chose_one(tmp_path, monkeypatch):
+    # PyTorch writes its own default (/tmp/torchinductor_$USER) into TORCHINDUCTOR_CACHE_DIR on first use,
+    # building a fused AdamW is enough, and child processes inherit it. Taken for the user's choice, it let a
+    # process limited to AVX2 load kernels compiled under AVX-512: NaN losses, and a segfault in a child.
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    ours = str(tmp_path / "gpt2-cpu" / "inductor" / torch.backends.cpu.get_cpu_capability())
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
+    for inherited in (default_cache_dir(), None):  # torch's default (set here, or by a parent), or none
+        if inherited is None:
+            monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+        else:
+            monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inherited)
+        speedups.compile_model(model)  # (torch.compile is lazy: nothing compiles until the model runs)
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == ours
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # a folder you chose is kept
+    speedups.compile_model(model)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+
+
 def test_compile_with_val_hellaswag_and_sampling(tmp_path):
     data = make_shards(tmp_path / "data")
     hella = write_hellaswag(tmp_path / "hellaswag", HELLASWAG_EXAMPLES[:3])
