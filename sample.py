@@ -76,6 +76,25 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, generator=
             logits, _ = model(idx[:, -block_size:])
 
 
+def answer(model, ids, max_new_tokens):
+    """The model's greedy answer to a rendered prompt (token ids): the new token ids, up to <|endoftext|>
+    (not included), max_new_tokens, or the end of the context (prompt + answer <= block_size), whichever
+    comes first. Greedy, so a prompt always gets the same answer: task accuracy scores it, and the chat
+    can keep it in the conversation. The caller sets autocast."""
+    room = min(max_new_tokens, model.config.block_size - len(ids))
+    new = []
+    if room <= 0:
+        return new
+    idx = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
+    for next_id in generate(model, idx, room, top_k=1):
+        if int(next_id[0]) == tokenizer.EOT:
+            break
+        new.append(int(next_id[0]))
+        if len(new) == room:  # done: stop before generate runs one more forward for a token we won't take
+            break
+    return new
+
+
 def print_samples(model, ranks, autocast):
     """train_gpt2.py's look at what the model has learned: four continuations of one prompt."""
     prompt = torch.tensor([tokenizer.encode("Hello, I'm a language model,")] * 4, device=ranks.device)

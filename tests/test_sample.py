@@ -11,7 +11,7 @@ import sample
 import tokenizer
 from conftest import REPO, make_shards, run_train, tiny_run_args
 from plumbing import cpu, speedups
-from train_gpt2 import GPT
+from train_gpt2 import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -166,3 +166,63 @@ def test_dtype_follows_the_cpu_by_default(hf_dir, tmp_path, monkeypatch):
     assert f"cpu: {cpu.cpu_name()}, " in proc.stderr and f"\ndtype: {expected} (" in proc.stderr
     assert f"(cpu, {expected}, KV cache)" in proc.stderr and "dtype:" not in proc.stdout
     assert expected == "fp32" or cpu.native_bf16()  # never bf16 where it is not native
+
+
+# -----------------------------------------------------------------------------
+# answer(): the greedy answer that task accuracy scores and the chat prints
+
+def varied_model(block_size=48):
+    """A random tiny GPT whose greedy continuations do not just repeat one token: embeddings and
+    weights larger than the training init (which makes near-uniform logits and loops)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=block_size, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 1.0 if "wte" in name or "wpe" in name else 0.3 if p.dim() == 2 else 0.1)
+    return model
+
+
+@torch.no_grad()
+def greedy_reference(model, ids, max_new_tokens):
+    """answer() the plain way: the whole sequence through the model for every token, no cache."""
+    ids, new = list(ids), []
+    while len(new) < max_new_tokens and len(ids) < model.config.block_size:
+        next_id = int(model(torch.tensor([ids]))[0][0, -1, :tokenizer.VOCAB_SIZE].argmax())
+        if next_id == tokenizer.EOT:
+            break
+        new.append(next_id)
+        ids.append(next_id)
+    return new
+
+
+def test_answer_equals_greedy_recompute():
+    model = varied_model()
+    prompt = tokenizer.encode("The quick brown fox")
+    for ids, max_new_tokens, expected_length in [
+        (prompt, 10, 10),  # stops at max_new_tokens
+        (prompt, 100, 48 - len(prompt)),  # stops where the context ends: prompt + answer = block_size
+        (list(range(1000, 1047)), 5, 1),  # one position left
+        (list(range(1000, 1048)), 5, 0),  # none left
+        (prompt, 0, 0),
+    ]:
+        got = sample.answer(model, ids, max_new_tokens)
+        assert got == greedy_reference(model, ids, max_new_tokens)
+        assert len(got) == expected_length and tokenizer.EOT not in got
+    assert len(set(sample.answer(model, prompt, 100))) > 5  # a continuation that says something
+
+
+def test_answer_stops_at_eot():
+    """Make <|endoftext|> the most likely token at exactly one known step k of a greedy answer: its
+    (tied) embedding row becomes the row of the token greedy picks there, nudged towards that step's
+    hidden state, so it wins there by a hair and nowhere before (checked, not assumed)."""
+    model = varied_model()
+    prompt = tokenizer.encode("The quick brown fox")
+    free = sample.answer(model, prompt, 30)
+    assert len(free) == 30
+    k = next(k for k in range(8, 30) if free[k] not in free[:k])  # a token greedy has not picked before
+    with torch.no_grad():
+        h = model.hidden(torch.tensor([prompt + free[:k]]))[0, -1]  # the state that picks free[k]
+        model.lm_head.weight[tokenizer.EOT] = model.lm_head.weight[free[k]] + 1e-3 * h / h.norm()
+    got = sample.answer(model, prompt, 30)
+    assert got == free[:k]  # everything before, and not the <|endoftext|>
+    assert greedy_reference(model, prompt, 30) == got
