@@ -256,14 +256,18 @@ def evaluate(model, examples, device="cpu", dtype="fp32", batch_size=16, rank=0,
             "acc": num_correct / max(1, num_total), "acc_norm": num_correct_norm / max(1, num_total)}
 
 
-def accuracy_during_training(model, data_dir, ranks, dtype, batch_size):
-    """train_gpt2.py's HellaSwag: acc_norm over the val split on all ranks, printed by rank 0;
-    None when the data cannot be had (no network, say): that is no reason to stop training."""
+def examples_for_training(data_dir, ranks):
+    """train_gpt2.py's HellaSwag examples, read once when the run starts; None when the data cannot be had
+    (no network, say): that is no reason not to train."""
     try:
-        examples = load_examples("val", data_dir=data_dir)
+        return load_examples("val", data_dir=data_dir)
     except (Exception, SystemExit) as e:
         ranks.print0(f"warning: HellaSwag disabled: {e}")
         return None
+
+
+def accuracy_during_training(model, examples, ranks, dtype, batch_size):
+    """train_gpt2.py's HellaSwag: acc_norm over the val split on all ranks, printed by rank 0."""
     model.eval()
     result = evaluate(model, examples, device=ranks.device, dtype=dtype, batch_size=batch_size,
                       rank=ranks.rank, world_size=ranks.world_size)

@@ -10,6 +10,7 @@ of a run, then main(), the training story. How the processes live on the machine
 Intel's libraries, memory, signals, safe files) is in plumbing/; generation is in sample.py.
 """
 import argparse
+import glob
 import json
 import math
 import os
@@ -18,6 +19,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -29,6 +31,7 @@ import plumbing
 from plumbing import checkpoints, cpu, inputs, sharding, speedups, world
 from plumbing.checkpoints import append_log, checkpoint_path, list_checkpoints, load_checkpoint
 from plumbing.inputs import check_enough_tokens, find_shards, open_shard
+from tokenizer import EOT
 
 # -----------------------------------------------------------------------------
 # The model: GPT-2 exactly (pre-LayerNorm transformer, tanh GELU, learned positions, tied lm_head)
@@ -51,12 +54,15 @@ class CausalSelfAttention(nn.Module):
         self.c_proj.RESIDUAL_SCALE_INIT = True
         self.n_head, self.n_embd = config.n_head, config.n_embd
 
-    def forward(self, x, kv_cache=None, layer=0, attn_mask=None):
-        """kv_cache: generation's memory of the keys and values seen so far (sample.py's KVCache); attn_mask: see GPT.hidden."""
+    def forward(self, x, kv_cache=None, layer=0, attn_mask=None, lengths=None):
+        """kv_cache: generation's memory of the keys and values seen so far (sample.py's KVCache); attn_mask, lengths:
+        see GPT.hidden."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         # (B, T, C) -> (B, n_head, T, head_size): heads become a batch dimension
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if lengths is not None:  # packed rows of examples
+            return self.c_proj(packed_attention(q, k, v, lengths).reshape(B, T, C))
         pos = kv_cache.pos if kv_cache is not None else 0
         k, v = kv_cache.update(layer, k, v) if kv_cache is not None else (k, v)
         if attn_mask is None and pos > 0 and T > 1:  # new queries see every cached key, and the new ones up to themselves
@@ -65,6 +71,23 @@ class CausalSelfAttention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None and pos == 0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads side by side
         return self.c_proj(y)
+
+# Packed rows (fine-tuning, finetune.py): several examples end to end in one row of T positions, and each must
+# see only itself, as if it were alone. A block-diagonal causal mask does that, but PyTorch's CPU attention then
+# computes every one of the T x T scores and masks most of them: for four 256-token examples in a row of 1024,
+# slower than plain causal attention of the whole row, with a quarter of the work. So each example gets its own
+# causal attention call on its own tokens: L x L scores for an example of L tokens, nothing across examples.
+
+@torch.compiler.disable  # the split depends on the data: torch.compile leaves this one function to run eagerly
+def packed_attention(q, k, v, lengths):
+    """Causal attention inside each example: q, k, v (B, n_head, T, head_size); lengths (1-D) the examples' (and the
+    rows' padding's) lengths in order, row after row, summing to B*T. Returns (B, T, n_head, head_size)."""
+    B, nh, T, hs = q.shape
+    sizes = lengths.tolist()
+    # heads first, then the rows end to end: each example is one slice along dim 1 (split's backward is one cat)
+    q, k, v = (t.transpose(0, 1).reshape(nh, B * T, hs).split(sizes, dim=1) for t in (q, k, v))
+    y = torch.cat([F.scaled_dot_product_attention(*qkv, is_causal=True) for qkv in zip(q, k, v)], dim=1)
+    return y.view(nh, B, T, hs).permute(1, 2, 0, 3)
 
 class MLP(nn.Module):
 
@@ -87,9 +110,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, kv_cache=None, layer=0, attn_mask=None):
+    def forward(self, x, kv_cache=None, layer=0, attn_mask=None, lengths=None):
         # pre-LayerNorm: the residual stream itself is never normalized, which keeps gradients clean
-        x = x + self.attn(self.ln_1(x), kv_cache, layer, attn_mask)
+        x = x + self.attn(self.ln_1(x), kv_cache, layer, attn_mask, lengths)
         return x + self.mlp(self.ln_2(x))
 
 # The loss: lm_head and cross-entropy fused, a chunk of positions at a time.
@@ -104,32 +127,40 @@ class Block(nn.Module):
 # matmuls turn straight into the gradients of x and of the weight; then the chunk's logits are freed.
 # backward() only scales the saved gradients: by 1/N and by its incoming gradient (1/grad_accum_steps).
 # The math is F.cross_entropy's; only the rounding differs (tests/test_perf.py measures by how much).
+# A target of IGNORE (fine-tuning: a prompt token, padding) counts for nothing: N counts the others, and a
+# batch with none has loss 0 (not 0/0). GPT.forward drops such positions before they get here, when it can.
 LOSS_CHUNK = 1024  # positions per chunk: their fp32 logits take 1024 x 50304 x 4 bytes = 206 MB
+IGNORE = -100  # F.cross_entropy's ignore_index, and transformers' label for "not a target"
 
 def lm_head_loss(x, weight, targets):
-    """F.cross_entropy(x @ weight.T, targets) for x (..., C) and targets (...), chunk by chunk.
-    Under autocast the matmuls run in its dtype, as lm_head's would; the softmax is always fp32."""
+    """F.cross_entropy(x @ weight.T, targets, ignore_index=IGNORE) for x (..., C) and targets (...), chunk by chunk,
+    but 0 where nothing is a target. Under autocast the matmuls run in its dtype, as lm_head's would; softmax in fp32."""
     device_type = x.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
     with torch.autocast(device_type, enabled=False):  # the dtypes below are chosen by hand
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
             return LMHeadLoss.apply(x, weight, targets, dtype)
-        return chunked_loss(x, weight, targets, dtype, grads=False)[0] / x.size(0)  # validation: the loss alone
+        loss, _, _, n = chunked_loss(x, weight, targets, dtype, grads=False)  # validation: the loss alone
+        return loss / n.clamp(min=1)
 
 def chunked_loss(x, weight, targets, dtype, grads):
-    """Summed cross-entropy and, if grads, its gradients with respect to x (N, C) and weight (V, C)."""
+    """Summed cross-entropy over the targets that count, if grads its gradients with respect to x (N, C) and
+    weight (V, C), and how many targets counted."""
     N = x.size(0)
     w = weight.to(dtype)  # one cast of the (tied) weight per call, not one per chunk
     loss = torch.zeros((), dtype=torch.float32, device=x.device)
     grad_x = torch.empty_like(x) if grads else None
     grad_w = torch.zeros_like(weight, dtype=torch.float32) if grads else None  # summed over chunks in fp32
+    counts = targets != IGNORE
     for i in range(0, N, LOSS_CHUNK):
-        xc, yc = x[i:i + LOSS_CHUNK].to(dtype), targets[i:i + LOSS_CHUNK, None]
+        counted = counts[i:i + LOSS_CHUNK, None]
+        yc = targets[i:i + LOSS_CHUNK, None].clamp(min=0)  # (an ignored target reads row 0, then counts for nothing)
+        xc = x[i:i + LOSS_CHUNK].to(dtype)
         logits = (xc @ w.t()).float()
         lse = torch.logsumexp(logits, dim=1, keepdim=True)  # the log of softmax's denominator
         target_logits = logits.gather(1, yc)
-        loss += (lse - target_logits).sum()  # -log softmax(logits)[target], summed over the chunk
+        loss += ((lse - target_logits) * counted).sum()  # -log softmax(logits)[target], summed over the chunk
         if grads:
             # softmax in place of the logits, then in the matmuls' dtype, as autocast's backward would use.
             # torch.compile fuses this with the logsumexp into one pass that writes only the bf16 result.
@@ -137,23 +168,24 @@ def chunked_loss(x, weight, targets, dtype, grads):
             # minus one-hot(target): the targets' probabilities are recomputed from their logits and
             # written over g's, so that they are rounded once, like all the others
             g.scatter_(1, yc, (target_logits - lse).exp_().sub_(1.0).to(dtype))
-            grad_x[i:i + LOSS_CHUNK] = g @ w
-            grad_w += g.t() @ xc
-    return loss, grad_x, grad_w
+            # an ignored position's gradient is zero: its row of grad_x, and its row of xc in grad_w's product
+            grad_x[i:i + LOSS_CHUNK] = (g @ w) * counted
+            grad_w += g.t() @ (xc * counted)
+    return loss, grad_x, grad_w, counts.sum()
 
 class LMHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, targets, dtype):
-        loss, grad_x, grad_w = chunked_loss(x, weight, targets, dtype, grads=True)
-        ctx.save_for_backward(grad_x, grad_w)
-        ctx.N = x.size(0)
-        return loss / ctx.N
+        loss, grad_x, grad_w, n = chunked_loss(x, weight, targets, dtype, grads=True)
+        n = n.clamp(min=1)
+        ctx.save_for_backward(grad_x, grad_w, n)
+        return loss / n
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_x, grad_w = ctx.saved_tensors
-        scale = grad_loss / ctx.N  # the mean's 1/N, applied to these two gradients rather than to all the logits
+        grad_x, grad_w, n = ctx.saved_tensors
+        scale = grad_loss / n  # the mean's 1/N, applied to these two gradients rather than to all the logits
         return grad_x * scale, grad_w * scale, None, None
 
 class GPT(nn.Module):
@@ -184,10 +216,11 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def hidden(self, idx, positions=None, attn_mask=None, kv_cache=None):
+    def hidden(self, idx, positions=None, attn_mask=None, kv_cache=None, lengths=None):
         """Token ids (B, T) -> hidden states after ln_f (B, T, n_embd); forward adds lm_head or the loss. A method of its own
         so hellaswag.py can run lm_head on only the positions it scores, in rows it packs with its own positions (B, T; default
-        0..T-1, on from kv_cache's) and attn_mask (bool, True = may attend, broadcast to (B, n_head, T, keys); default causal)."""
+        0..T-1, on from kv_cache's) and attn_mask (bool, True = may attend, broadcast to (B, n_head, T, keys); default causal).
+        lengths: rows packed with examples end to end (1-D, see packed_attention): each attends only within itself."""
         T = idx.size(1)
         start = kv_cache.pos if kv_cache is not None else 0
         if positions is None:  # (given ones may outnumber block_size: a packed row of 4 endings can be longer)
@@ -195,12 +228,18 @@ class GPT(nn.Module):
             positions = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)
         for layer, block in enumerate(self.transformer.h):
-            x = block(x, kv_cache, layer, attn_mask)
+            x = block(x, kv_cache, layer, attn_mask, lengths)
         if kv_cache is not None:
             kv_cache.pos += T
         return self.transformer.ln_f(x)
 
-    def forward(self, idx, targets=None, kv_cache=None):
+    def forward(self, idx, targets=None, kv_cache=None, packed=None):
+        """packed: a Packed batch (fine-tuning): positions restarting at each example, attention inside each example,
+        and targets of IGNORE that count for nothing, whose positions are dropped before the loss."""
+        if packed is not None:
+            x = self.hidden(idx, packed.positions, lengths=packed.lengths)
+            counted = targets != IGNORE  # (a data-dependent shape: torch.compile splits its graph here)
+            return None, lm_head_loss(x[counted], self.lm_head.weight, targets[counted])
         x = self.hidden(idx, kv_cache=kv_cache)
         # training and validation need only the loss: the logits are never all materialized (see lm_head_loss)
         return (self.lm_head(x), None) if targets is None else (None, lm_head_loss(x, self.lm_head.weight, targets))
@@ -296,6 +335,11 @@ class DataLoader:
         self.block += 1
         return tokens, start
 
+    def next_step(self, micro_steps):
+        """This rank's (x, y, None) for each micro-step of one optimizer step (TaskLoader's interface), and None: every
+        position is a target here, so the step's mean loss is the mean of its micro-batches' means."""
+        return [(*self.next_batch(), None) for _ in range(micro_steps)], None
+
     def next_batch(self):
         rows = []
         for i in range(self.world_size * self.B):
@@ -320,6 +364,104 @@ class ValLoader:
             rows = [np.asarray(s[o:o + self.T + 1], dtype=np.int64) for s, o in self.mine[i:i + self.B]]
             buf = torch.from_numpy(np.stack(rows))
             yield buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
+
+# Fine-tuning data (a folder from finetune.py): examples, each a prompt and its answer, whose targets are only the
+# answer's tokens. They are packed whole into rows of T positions, several to a row and never split across rows;
+# positions restart at 0 for each example (GPT-2's are learned: the model must see an example as if it were alone)
+# and attention stays inside each (packed_attention). A row's unused tail is padding: attended by nothing, no target.
+
+class Packed(NamedTuple):
+    positions: torch.Tensor  # (B, T): each example's positions, from 0
+    lengths: torch.Tensor  # (k,): the lengths of the examples and padding, in order, row after row (they sum to B*T)
+
+def pack(order, lengths, T):
+    """Example indices, in the given order, cut into rows of at most T positions: the next example starts a new row
+    when it does not fit in this one (a greedy pass keeps the order, so a row holds examples adjacent in it)."""
+    rows, row, used = [], [], 0
+    for i in order:
+        if used + lengths[i] > T:
+            rows.append(row)
+            row, used = [], 0
+        row.append(int(i))
+        used += int(lengths[i])
+    return rows + [row] if row else rows
+
+class TaskLoader:
+    """Packed rows of a task folder's split, for training (shuffle: example order shuffled by the seed each epoch,
+    then packed) or validation (the examples in order: val_batches). Like DataLoader, all ranks walk the same stream of
+    rows and a micro-step takes the next world*B, rank r keeping rows r*B..(r+1)*B-1; the state is (epoch, row)."""
+
+    def __init__(self, data_dir, split, B, T, rank=0, world_size=1, seed=1337):
+        import finetune
+        self.B, self.T, self.rank, self.world_size, self.seed = B, T, rank, world_size, seed
+        self.tokens, self.targets, self.examples = finetune.open_split(data_dir, split)
+        self.lengths = self.examples[:, 2] - self.examples[:, 0] - 1  # positions: inputs are an example's tokens but its last
+        if len(self.examples) and self.lengths.max() > T:
+            raise SystemExit(f"error: --data_dir {data_dir}: a {split} example fills {self.lengths.max()} positions, more than "
+                             f"--seq_len {T}: raise --seq_len, or prepare the data with finetune.py --max_len {T}")
+        summed = np.concatenate(([0], np.cumsum(self.targets, dtype=np.int64)))
+        self.n_targets = summed[self.examples[:, 2]] - summed[self.examples[:, 0]]  # per example
+        self.epoch, self.row = 0, 0
+        self._pack()
+
+    def _pack(self):  # a pure function of (seed, epoch), like DataLoader's orders
+        self.rows = pack(np.random.default_rng([self.seed, self.epoch]).permutation(len(self.examples)), self.lengths, self.T)
+
+    def rows_in_epochs(self, epochs):
+        return sum(len(pack(np.random.default_rng([self.seed, e]).permutation(len(self.examples)), self.lengths, self.T))
+                   for e in range(epochs))
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "row": self.row, "seed": self.seed, "examples": len(self.examples),
+                "tokens": len(self.tokens)}
+
+    def load_state_dict(self, state):
+        if [state.get(k) for k in ("seed", "examples", "tokens")] != [self.seed, len(self.examples), len(self.tokens)]:
+            raise SystemExit("error: the task data in --data_dir or the --seed differ from the checkpoint's; "
+                             "resuming would not continue the same data order")
+        self.epoch, self.row = state["epoch"], state["row"]
+        self._pack()
+
+    def _next_row(self):
+        while self.row == len(self.rows):
+            self.epoch, self.row = self.epoch + 1, 0
+            self._pack()
+        self.row += 1
+        return self.rows[self.row - 1]
+
+    def next_step(self, micro_steps):
+        """This rank's (x, y, Packed) for each micro-step of one optimizer step, and the number of targets in the whole
+        step, on all ranks: the loss is their mean, so every micro-batch's share is weighed by its own targets."""
+        rows = [self._next_row() for _ in range(micro_steps * self.world_size * self.B)]
+        n_targets = int(sum(self.n_targets[i] for row in rows for i in row))
+        mine = [rows[(m * self.world_size + self.rank) * self.B:][:self.B] for m in range(micro_steps)]
+        return [self.batch(r) for r in mine], n_targets
+
+    def val_batches(self):
+        """Every example of the split once, in order, this rank's rows (row i goes to rank i % world_size), B at a time."""
+        mine = pack(range(len(self.examples)), self.lengths, self.T)[self.rank::self.world_size]
+        return [self.batch(mine[i:i + self.B]) for i in range(0, len(mine), self.B)]
+
+    def batch(self, rows):
+        """x, y (B, T) and their Packed layout; y is IGNORE where a token is not a target, and on the padding."""
+        x = np.full((len(rows), self.T), EOT, dtype=np.int64)
+        y = np.full((len(rows), self.T), IGNORE, dtype=np.int64)
+        positions, lengths = np.zeros((len(rows), self.T), dtype=np.int64), []
+        for r, row in enumerate(rows):
+            at = 0
+            for i in row:
+                start, _, end = self.examples[i]
+                n = end - start - 1
+                x[r, at:at + n] = self.tokens[start:end - 1]
+                y[r, at:at + n] = np.where(self.targets[start + 1:end] > 0, self.tokens[start + 1:end].astype(np.int64), IGNORE)
+                positions[r, at:at + n] = np.arange(n)
+                lengths.append(n)
+                at += n
+            if at < self.T:  # the padding: one more "example" that nothing else sees
+                positions[r, at:] = np.arange(self.T - at)
+                lengths.append(self.T - at)
+        packed = Packed(torch.from_numpy(positions), torch.tensor(lengths, dtype=torch.long))
+        return torch.from_numpy(x), torch.from_numpy(y), packed
 
 # -----------------------------------------------------------------------------
 # Learning rate: linear warmup, then cosine decay to min_lr (build-nanogpt's get_lr)
@@ -391,6 +533,9 @@ def build_parser(defaults=True):
       "(DDP); full: weights, gradients and AdamW state split across the ranks (FSDP2), for models too big for one")
     a("--dist_timeout", type=float, default=d(300), help="seconds a collective may wait for the other ranks")
     a("--threads", type=int, default=d(0), help="torch threads per rank (0 = physical cores / ranks per node)")
+    a("--epochs", type=int, default=d(None), help="task data (a finetune.py folder): passes over the training "
+      "examples (sets --max_steps; default 3)")
+    a("--task_examples", type=int, default=d(200), help="task data: val examples whose answers are scored at each eval")
     a("--seed", type=int, default=d(1337))
     a("--demo", action="store_true", default=d(False), help="train a small GPT on a local demo corpus")
     return p
@@ -413,6 +558,36 @@ def print_next_steps(args, ranks):
                  f"  jupyter notebook play.ipynb    # the loss curves (set log_dir = \"{args.log_dir}\" in its first cell)\n"
                  f"  python fineweb.py, then python train_gpt2.py    # the real thing: GPT-2 (124M) on FineWeb-Edu")
 
+# Fine-tuning (--data_dir a folder from finetune.py): its defaults, where the flag is not given. Measured on the
+# synthetic demo task and on held-out task data, 2 cores (docs/finetuning.md): short rows (the longest example's
+# length, so a step holds a few dozen examples and an epoch is many steps), a learning rate 10x lower for a
+# pretrained model than for one from scratch, 5% of the steps warming up, then cosine decay to a tenth.
+FINETUNE_ARGS = dict(batch_size=8, epochs=3, hellaswag_interval=0, sample_interval=0, task_examples=200)
+FINETUNE_LR = {"scratch": 1e-3, "pretrained": 1e-4}
+
+def finetune_args(args, given, task, world_size):
+    """Fill in the fine-tuning defaults for the flags not given; --epochs sets --max_steps. Returns the line to print."""
+    if task["splits"]["train"]["examples"] == 0:
+        raise SystemExit(f"error: --data_dir {args.data_dir} holds no training examples")
+    vars(args).update({k: v for k, v in FINETUNE_ARGS.items() if k not in given})
+    if "seq_len" not in given:  # rows as long as the longest example, rounded up to 64
+        args.seq_len = min(-(-task["splits"]["train"]["longest"] // 64) * 64, args.block_size, 1024)
+    if "total_batch_size" not in given:
+        args.total_batch_size = args.batch_size * args.seq_len * world_size
+    if "max_lr" not in given:
+        args.max_lr = FINETUNE_LR["scratch" if args.init_from == "scratch" else "pretrained"]
+    args.min_lr = args.min_lr if "min_lr" in given else args.max_lr / 10
+    if "max_steps" not in given:
+        rows = TaskLoader(args.data_dir, "train", 1, args.seq_len, seed=args.seed).rows_in_epochs(args.epochs)
+        args.max_steps = max(1, -(-rows * args.seq_len // args.total_batch_size))
+    args.warmup_steps = args.warmup_steps if "warmup_steps" in given else max(1, args.max_steps // 20)
+    for flag in ("eval_interval", "checkpoint_interval"):
+        if flag not in given:
+            setattr(args, flag, max(1, args.max_steps // 10))
+    return (f"fine-tuning: {task['splits']['train']['examples']} examples x {args.epochs} epochs = {args.max_steps} steps "
+            f"of {args.total_batch_size // args.seq_len} rows of {args.seq_len}; lr {args.max_lr:g} -> {args.min_lr:g}, "
+            f"warmup {args.warmup_steps}, eval every {args.eval_interval} (flags override these)")
+
 # -----------------------------------------------------------------------------
 # The stages of a run. main() at the bottom tells the story; each stage is one function here, and they
 # share one Run: the run's settings, fixed when it starts, and its training state, which the stages set up.
@@ -424,18 +599,17 @@ MAX_SKIPPED_STEPS = 5
 DIVERGED_LOSS = 2 * math.log(PADDED_VOCAB_SIZE)
 
 class Run:
-    """What travels from stage to stage. Set when the run starts: the arguments (resolved once, by
-    resolve_args, and never written after), this rank (ranks), whether the run is sharded, the gradient
-    accumulation steps. Set up by the stages, in main()'s order: the data and the lock on --log_dir
-    (open_data_and_lock_log_dir), the device, dtype and IPEX (set_up_machine), the model (build_model),
-    the optimizer and the wrapped model (prepare_training)."""
+    """What travels from stage to stage. Fixed when the run starts: the arguments (resolved once, by resolve_args,
+    and never written after), this rank (ranks), the task when the data is a finetune.py folder, whether the run is
+    sharded, the gradient accumulation steps. Then filled by main() with what each stage returns, in its order: the
+    data loader and the lock on --log_dir, the device, dtype and IPEX, the model, the optimizer and the wrapped model."""
 
-    def __init__(self, args, ranks):
-        self.args, self.ranks = args, ranks
+    def __init__(self, args, ranks, task):
+        self.args, self.ranks, self.task = args, ranks, task
         self.sharded = args.shard == "full" and ranks.world_size > 1  # FSDP2: decided here, and only here
         self.grad_accum_steps = args.total_batch_size // (args.batch_size * args.seq_len * ranks.world_size)
-        self.hellaswag = args.hellaswag_interval > 0  # turned off when it cannot run (no data; sharded)
-        self.train_loader = self.lock = self.device_type = self.dtype = self.ipex = self.autocast = None
+        self.train_loader = self.lock = self.device_type = self.dtype = self.autocast = self.ipex = None
+        self.hellaswag = None  # HellaSwag's examples, when it is measured during training
         self.raw_model = self.model = self.optimizer = None  # raw_model: the plain GPT; model: what trains
         self.compiled, self.flops_per_token, self.matmul_rate = False, 0, None
 
@@ -452,8 +626,9 @@ class Run:
         return f" | {100 * per_rank / self.matmul_rate:.0f}% of this CPU's {self.dtype} matmul rate"
 
 def resolve_args(argv, ranks):
-    """The run's arguments: the command line, or, with --resume, the checkpoint's run arguments overridden
-    by the flags given now; the demo's settings when there is no data. Returns (args, checkpoint, its path)."""
+    """The run's arguments: the command line, or, with --resume, the checkpoint's run arguments overridden by the
+    flags given now; the demo's settings when there is no data; fine-tuning's for task data. Returns (args, the task
+    or None, checkpoint, its path)."""
     args = build_parser().parse_args(argv)
     given = vars(build_parser(defaults=False).parse_args(argv))  # only the flags on the command line
     ckpt, ckpt_file, saved_args = None, None, None
@@ -479,14 +654,18 @@ def resolve_args(argv, ranks):
             ranks.print0(f"no shards in {args.data_dir}/ (run fineweb.py to make them): running the demo instead")
         vars(args).update({k: v for k, v in DEMO_ARGS.items() if k not in given})
         args.demo, args.data_dir = True, plumbing.cache_dir("demo")
-        # every rank builds (or finds) the shards: the cache is per host, and one that skipped this could read half a file
-        import fineweb
-        fineweb.build_demo_shards(args.data_dir)
-    return args, ckpt, ckpt_file
+    import finetune
+    task = finetune.read_task(args.data_dir)  # a finetune.py folder, or None: pretraining shards
+    if task is not None and saved_args is None:
+        ranks.print0(finetune_args(args, given, task, ranks.world_size))
+    if task is None and args.epochs is not None:
+        raise SystemExit(f"error: --epochs is for task data (a finetune.py folder); {args.data_dir} holds pretraining "
+                         "shards: use --max_steps")
+    return args, task, ckpt, ckpt_file
 
 def check_args(args, world_size):
     """Every flag that can be checked alone, before anything expensive."""
-    if not os.path.isdir(args.data_dir):
+    if not os.path.isdir(args.data_dir) and not args.demo:
         raise SystemExit(f"error: --data_dir {args.data_dir} does not exist (make shards with fineweb.py)")
     if args.seq_len > args.block_size and args.init_from == "scratch":
         raise SystemExit(f"error: --seq_len {args.seq_len} is longer than --block_size {args.block_size}")
@@ -505,13 +684,20 @@ def check_args(args, world_size):
         raise SystemExit(f"error: --dist_timeout {args.dist_timeout} must be a positive number of seconds")
 
 def open_data_and_lock_log_dir(run):
-    """The training shards (run.train_loader) and the val shards, checked; then --log_dir, refused if it
-    holds another run, and locked (run.lock) so that no second run writes there."""
+    """The training data's loader and the val data, checked; HellaSwag's examples if they are to be measured; then
+    --log_dir, refused if it holds another run, and locked so that no second run writes there. Returns (the loader,
+    HellaSwag's examples or None, the lock)."""
     args, ranks = run.args, run.ranks
     if args.shard == "full" and not run.sharded:
         ranks.print0("--shard full: with one rank there is nothing to split; training as usual")
-    run.train_loader = DataLoader(args.data_dir, "train", args.batch_size, args.seq_len, ranks.rank, ranks.world_size, args.seed)
-    if args.eval_interval > 0:
+    if args.demo:  # every rank builds (or finds) the shards: the cache is per host, and one that skipped this could read half a file
+        import fineweb
+        fineweb.build_demo_shards(args.data_dir)
+    loader = TaskLoader if run.task is not None else DataLoader
+    train_loader = loader(args.data_dir, "train", args.batch_size, args.seq_len, ranks.rank, ranks.world_size, args.seed)
+    if run.task is not None and args.eval_interval > 0:
+        TaskLoader(args.data_dir, "val", args.batch_size, args.seq_len)  # (checks that every val example fits)
+    elif args.eval_interval > 0:
         val_files = find_shards(args.data_dir, "val")
         if not val_files:
             raise SystemExit(f"error: no shards with 'val' in their name in --data_dir {args.data_dir} (or pass --eval_interval 0)")
@@ -520,43 +706,52 @@ def open_data_and_lock_log_dir(run):
     if has_run and not args.resume and not args.overwrite:
         raise SystemExit(f"error: --log_dir {args.log_dir} already holds a run; continue it with --resume, "
                          "choose another --log_dir, or pass --overwrite to replace it")
-    run.lock = checkpoints.lock_folder(args.log_dir) if ranks.master else None  # one run per folder; also: writable?
+    hellaswag_examples = None
+    if args.hellaswag_interval > 0 and run.sharded:  # batches differ by rank: no lock-step all-gathers
+        ranks.print0("warning: no HellaSwag during sharded training: run hellaswag.py -m on a checkpoint")
+    elif args.hellaswag_interval > 0:  # no data (no network, say) is no reason not to train: it is just not measured
+        import hellaswag
+        hellaswag_examples = hellaswag.examples_for_training(args.hellaswag_dir, ranks)
+    lock = checkpoints.lock_folder(args.log_dir) if ranks.master else None  # one run per folder; also: writable?
+    return train_loader, hellaswag_examples, lock
 
 def set_up_machine(run):
-    """This rank's device, the process group joining the ranks, the CPU threads, the dtype this machine
-    computes fastest (run.dtype, run.autocast), and IPEX if it can run that dtype (run.ipex, applied later)."""
+    """This rank's device, the process group joining the ranks, the CPU threads, the dtype this machine computes
+    fastest, and IPEX if it can run that dtype. Returns (device type, dtype, its autocast, IPEX or None: applied later)."""
     args, ranks = run.args, run.ranks
     ranks.device = world.pick_device(args.device, ranks.local_rank, ranks.world_size)
-    run.device_type = ranks.device.split(":")[0]
-    run.ipex = speedups.find_ipex(args.ipex, run.device_type)
+    device_type = ranks.device.split(":")[0]
+    ipex = speedups.find_ipex(args.ipex, device_type)
     if ranks.world_size > 1:
         # oneCCL when Intel's bindings are installed (the fastest all-reduce across Xeon nodes), else gloo on CPU
-        backend = world.choose_backend(args.backend, run.device_type)
+        backend = world.choose_backend(args.backend, device_type)
         where = world.init_process_group(backend, ranks.rank, ranks.world_size, ranks.local_world,
                                            ranks.launcher, args.dist_timeout)
         ranks.print0(f"distributed: {ranks.launcher}, world size {ranks.world_size}, backend {backend}, master {where}")
     if not run.sharded:  # (sharded, memory is short: what is freed goes back to the OS)
         cpu.keep_freed_memory()
-    if run.device_type == "cpu":  # one matmul thread per physical core, shared among the ranks on this node
+    if device_type == "cpu":  # one matmul thread per physical core, shared among the ranks on this node
         ranks.print0(cpu.set_cpu_threads(args.threads, ranks.world_size, ranks.local_world))
         ranks.print0(cpu.describe_cpu(torch.get_num_threads()))
-    run.dtype, why = speedups.resolve_dtype(args.dtype, run.device_type, args.n_embd)
+    dtype, why = speedups.resolve_dtype(args.dtype, device_type, args.n_embd)
     if ranks.world_size > 1 and args.dtype == "auto":  # bf16 only if every rank computes it fast: ranks agree
-        everyone = ranks.all_reduce_sum(torch.tensor(float(run.dtype == "bf16"), device=ranks.device))
-        if run.dtype == "bf16" and everyone < ranks.world_size:
-            run.dtype, why = "fp32", "dtype: fp32 (some ranks' CPUs have no fast bf16)"
+        everyone = ranks.all_reduce_sum(torch.tensor(float(dtype == "bf16"), device=ranks.device))
+        if dtype == "bf16" and everyone < ranks.world_size:
+            dtype, why = "fp32", "dtype: fp32 (some ranks' CPUs have no fast bf16)"
     ranks.print0(why)
-    run.autocast = speedups.autocast(run.dtype, run.device_type)
-    run.ipex = speedups.ipex_for_dtype(run.ipex, args.ipex, run.dtype, run.device_type != "cpu" or torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    ipex = speedups.ipex_for_dtype(ipex, args.ipex, dtype, device_type != "cpu" or torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return device_type, dtype, speedups.autocast(dtype, device_type), ipex
 
 def build_model(run, ckpt):
-    """The checkpoint's weights when resuming; else a scratch GPT-2, OpenAI's weights, or one of our checkpoints.
+    """The model: the checkpoint's weights when resuming; else a scratch GPT-2, OpenAI's weights, or one of our checkpoints.
     --shard full: the model is sharded as it is built (see sharding.build_sharded), so no rank holds all of it.
     The shards' token ids are checked against its vocabulary first, before any weights are read."""
     args, ranks = run.args, run.ranks
     torch.manual_seed(args.seed)  # same initial weights on every rank
     def build(config, init_weights=False):  # sharded: weights given to each rank's pieces, unless init_weights
-        inputs.check_token_ids(run.train_loader.files + find_shards(args.data_dir, "val"), config.vocab_size, ranks.print0)
+        token_files = (glob.glob(os.path.join(args.data_dir, "task_*_tokens.npy")) if run.task is not None else
+                       run.train_loader.files + find_shards(args.data_dir, "val"))
+        inputs.check_token_ids(token_files, config.vocab_size, ranks.print0)
         if run.sharded:
             return sharding.build_sharded(lambda: GPT(config), ranks, run.dtype == "bf16", init_weights)
         return GPT(config)
@@ -574,10 +769,11 @@ def build_model(run, ckpt):
     if ranks.master and args.checkpoint_interval > 0:  # weights and AdamW's two moments, in fp32
         checkpoints.check_free_space(args.log_dir, 12 * n_params, "a checkpoint")
     ranks.print0(f"model: {n_params / 1e6:.2f}M parameters, {config}")
-    run.raw_model = model.to(ranks.device)  # the plain GPT: evaluation and sampling run it eagerly
+    return model.to(ranks.device)  # the plain GPT: evaluation and sampling run it eagerly
 
 def prepare_training(run, ckpt, ckpt_file):
-    """The optimizer, the resumed state, then the wrappers: IPEX, torch.compile, DDP. Returns the first step."""
+    """The optimizer, the resumed state, then the wrappers: IPEX, torch.compile, DDP. Returns (the model that trains,
+    the optimizer, whether it is compiled, the first step)."""
     args, ranks, model = run.args, run.ranks, run.raw_model
     optimizer, fused = model.configure_optimizer(args.weight_decay, args.max_lr, run.device_type)
     ranks.print0(f"optimizer: AdamW, fused={fused}")
@@ -597,47 +793,60 @@ def prepare_training(run, ckpt, ckpt_file):
         model, optimizer = speedups.apply_ipex(run.ipex, model, optimizer, run.dtype, ranks.print0)
     # torch.compile fuses the training forward and backward into C++ kernels (bench/bench_train.py measures it).
     # Evaluation and sampling run the raw model eagerly: their shapes change, and each shape would recompile.
+    compiled = False
     if args.compile:
-        model, run.compiled = speedups.compile_if_possible(model, run.ipex, run.device_type, ranks.print0)
+        model, compiled = speedups.compile_if_possible(model, run.ipex, run.device_type, ranks.print0)
     if ranks.world_size > 1:  # the same checkpoint on every rank: DDP copies rank 0's weights, but nothing else
         world.check_same_start(ranks, start_step)
     if ranks.world_size > 1 and not run.sharded:  # DDP averages the gradients during backward, bucket by bucket
         from torch.nn.parallel import DistributedDataParallel as DDP
         model = DDP(model, device_ids=[ranks.local_rank] if run.device_type == "cuda" else None)
-    run.model, run.optimizer = model, optimizer
-    return start_step
+    return model, optimizer, compiled, start_step
+
+def val_batches(run):
+    """This rank's val batches, (x, y, Packed or None): the same val tokens (pretraining) or every val example (task
+    data) whatever the batch size or world size. Sharded, padded with None to the most any rank has: every rank must
+    join every forward's all-gathers."""
+    args, ranks = run.args, run.ranks
+    if run.task is not None:
+        batches = TaskLoader(args.data_dir, "val", args.batch_size, args.seq_len, ranks.rank, ranks.world_size).val_batches()
+    else:
+        batches = [(x, y, None) for x, y in ValLoader(args.data_dir, args.seq_len, args.val_tokens, args.batch_size,
+                                                       ranks.rank, ranks.world_size)]
+    if run.sharded:
+        most = torch.tensor(len(batches))
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        batches += [None] * (int(most) - len(batches))
+    return batches
 
 def evaluate(run, step, due):
-    """This step's evaluations, each when due: val loss, HellaSwag, samples. Returns the val loss (or None)."""
+    """This step's evaluations, each when due: val loss, task accuracy, HellaSwag, samples. Returns the val loss (or None)."""
     args, ranks, model = run.args, run.ranks, run.raw_model
     model.eval()
     val_loss = None
-    if due(args.eval_interval):  # the same val tokens whatever the batch size or world size
-        stats = torch.zeros(2, dtype=torch.float64, device=ranks.device)  # summed loss, token count
-        batches = ValLoader(args.data_dir, args.seq_len, args.val_tokens, args.batch_size, ranks.rank, ranks.world_size)
-        if run.sharded:  # every rank must join every forward's all-gathers: pad with batches that don't count
-            most = torch.tensor(len(batches := list(batches)))
-            torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-            batches += [None] * (int(most) - len(batches))
+    if due(args.eval_interval):  # the mean loss over every val target
+        stats = torch.zeros(2, dtype=torch.float64, device=ranks.device)  # summed loss, target count
         with torch.no_grad():
-            for batch in batches:
-                x, y = batch if batch is not None else (torch.zeros(1, args.seq_len, dtype=torch.long),) * 2
+            for batch in val_batches(run):
+                x, y, packed = batch if batch is not None else (torch.zeros(1, args.seq_len, dtype=torch.long),) * 2 + (None,)
                 with run.autocast:
-                    _, loss = model(x.to(ranks.device), y.to(ranks.device))
-                counted = y.numel() * (batch is not None)
+                    _, loss = model(x.to(ranks.device), y.to(ranks.device), packed=packed and to_device(packed, ranks.device))
+                counted = int((y != IGNORE).sum()) * (batch is not None)
                 stats += torch.tensor([loss.item() * counted, counted], dtype=torch.float64, device=ranks.device)
-        val_loss = (ranks.all_reduce_sum(stats)[0] / stats[1]).item()
+        val_loss = (ranks.all_reduce_sum(stats)[0] / stats[1].clamp(min=1)).item()
         ranks.print0(f"validation loss: {val_loss:.4f}")
         append_log(args.log_dir, ranks, f"{step} val {val_loss:.4f}")
-    if run.hellaswag and due(args.hellaswag_interval) and run.sharded:  # batches differ by rank: no lock-step all-gathers
-        ranks.print0("warning: no HellaSwag during sharded training: run hellaswag.py -m on a checkpoint")
-        run.hellaswag = False
-    if run.hellaswag and due(args.hellaswag_interval):
+        if run.task is not None and run.task["splits"]["val"]["examples"] > 0:  # do the answers come out right?
+            import finetune
+            n = min(args.task_examples, run.task["splits"]["val"]["examples"])
+            acc, _ = finetune.task_accuracy(model, args.data_dir, run.autocast, n=n, ranks=ranks,
+                                            lockstep=run.sharded)  # (sharded: every rank answers every example)
+            ranks.print0(f"task accuracy: {acc:.4f} (greedy answers to {n} val examples)")
+            append_log(args.log_dir, ranks, f"{step} task {acc:.4f}")
+    if run.hellaswag is not None and due(args.hellaswag_interval):
         import hellaswag
-        acc = hellaswag.accuracy_during_training(model, args.hellaswag_dir, ranks, run.dtype, args.batch_size)
-        run.hellaswag = acc is not None  # no data is no reason to stop training: it is just not measured
-        if acc is not None:
-            append_log(args.log_dir, ranks, f"{step} hella {acc:.4f}")
+        acc = hellaswag.accuracy_during_training(model, run.hellaswag, ranks, run.dtype, args.batch_size)
+        append_log(args.log_dir, ranks, f"{step} hella {acc:.4f}")
     # (sharded, every rank generates alongside rank 0, to join the all-gathers of every forward)
     if due(args.sample_interval) and (step > 0 or step == args.max_steps) and (ranks.master or run.sharded):
         import sample
@@ -654,7 +863,7 @@ def save_checkpoint(run, step, val_loss, evaluated=True):
         ranks.print0(f"warning: no checkpoint at step {step}: the weights are not finite, or the val loss is not below {DIVERGED_LOSS:.1f}")
         return
     state = {"config": asdict(model.config), "step": step, "args": dict(vars(args)), "loader": run.train_loader.state_dict(),
-             "rng": {"torch": torch.get_rng_state()}, "val_loss": val_loss,
+             "rng": {"torch": torch.get_rng_state()}, "val_loss": val_loss, "task": run.task,
              "evaluated": evaluated}  # False: stopped by a signal before this step's evaluations
     if run.sharded:
         checkpoints.save_sharded(checkpoint_path(args.log_dir, step, sharded=True), model, optimizer, state, ranks)
@@ -663,6 +872,9 @@ def save_checkpoint(run, step, val_loss, evaluated=True):
         state["checksums"] = checkpoints.tensor_checksums(state)  # verified by load_checkpoint
         checkpoints.atomic_save(state, checkpoint_path(args.log_dir, step))
 
+def to_device(packed, device):
+    return Packed(packed.positions.to(device), packed.lengths)  # (lengths stay on the CPU: packed_attention reads them)
+
 def train_step(run, step):
     """One optimizer step over total_batch_size tokens: grad_accum_steps micro-batches on every rank.
     Returns (mean loss, gradient norm, learning rate, whether the weights were updated)."""
@@ -670,16 +882,23 @@ def train_step(run, step):
     model.train()
     optimizer.zero_grad(set_to_none=True)
     loss_accum = torch.zeros((), device=ranks.device)
-    for micro_step in range(run.grad_accum_steps):
-        x, y = (t.to(ranks.device) for t in run.train_loader.next_batch())
+    batches, n_targets = run.train_loader.next_step(run.grad_accum_steps)
+    for micro_step, (x, y, packed) in enumerate(batches):
+        x, y, packed = x.to(ranks.device), y.to(ranks.device), packed and to_device(packed, ranks.device)
         # DDP all-reduces gradients during backward (FSDP reduce-scatters them); only the last micro-step needs that
         sync = micro_step == run.grad_accum_steps - 1 or ranks.world_size == 1
         if run.sharded:
             getattr(model, "_orig_mod", model).set_requires_gradient_sync(sync)
         with (nullcontext() if sync or run.sharded else model.no_sync()):
             with run.autocast:
-                _, loss = model(x, y)
-            loss = loss / run.grad_accum_steps  # the gradient of the mean over all micro-batches
+                _, loss = model(x, y, packed=packed)
+            # the gradient of the step's mean loss over all its targets. Pretraining: all micro-batches hold as many,
+            # so it is the mean of their means. Task data: each micro-batch's mean weighs by its share of the step's
+            # targets, times the world size, as DDP and FSDP average the ranks' gradients (a mean over transformers#34191)
+            if n_targets is None:
+                loss = loss / run.grad_accum_steps
+            else:
+                loss = loss * (int((y != IGNORE).sum()) * ranks.world_size / max(n_targets, 1))
             loss_accum += loss.detach()
             loss.backward()
     ranks.all_reduce_sum(loss_accum)
@@ -741,13 +960,13 @@ def main(argv=None):
     # How to run is the launcher's decision: torchrun, mpirun and srun each tell every process its rank
     # and the world size in their own variables; without one, we are a single process (world size 1).
     ranks = world.Ranks(*world.detect_launch())
-    args, ckpt, ckpt_file = resolve_args(argv, ranks)
+    args, task, ckpt, ckpt_file = resolve_args(argv, ranks)
     check_args(args, ranks.world_size)
-    run = Run(args, ranks)
-    open_data_and_lock_log_dir(run)
-    set_up_machine(run)
-    build_model(run, ckpt)
-    start_step = prepare_training(run, ckpt, ckpt_file)
+    run = Run(args, ranks, task)
+    run.train_loader, run.hellaswag, run.lock = open_data_and_lock_log_dir(run)
+    run.device_type, run.dtype, run.autocast, run.ipex = set_up_machine(run)
+    run.raw_model = build_model(run, ckpt)
+    run.model, run.optimizer, run.compiled, start_step = prepare_training(run, ckpt, ckpt_file)
     evaluated = ckpt is not None and ckpt.get("evaluated", True)  # were start_step's evaluations done already?
     del ckpt
     if ranks.master:  # log.txt, args.json (how the run started: for a --resume before its first checkpoint)
