@@ -4,17 +4,19 @@ but not to read first. One topic per module:
 
   world.py        how the processes of a job find each other and agree: launchers, the process group
                   and its backend, the device, stop signals, same-start and same-weights checks
-  cpu.py          this CPU: what it computes fast (native bf16 or not, measured matmul rates) and so
-                  which dtype a run uses, threads and affinity, malloc, the vector-math warm-up
-  speedups.py     the optional ways to make a step faster: torch.compile and Intel's IPEX
+  cpu.py          this CPU: what it computes fast (native bf16 or not, its matmul rates, measured at
+                  every start and kept as the best seen), threads and affinity, malloc, the vector-math warm-up
+  speedups.py     the precision (the one place a run's dtype is decided, from cpu.py's measurements) and
+                  the optional ways to make a step faster: torch.compile and Intel's IPEX
   checkpoints.py  run folders: checkpoint names, atomic writes, checksums, .pt and .dcp files, the lock
   sharding.py     FSDP2: a GPT split across the ranks, built without any rank holding all of it
   inputs.py       what a run reads besides its arguments: the token shards' id check, OpenAI's weights
 
-This file holds the two things they all share: one-line errors and the cache folder.
+This file holds what they all share: one-line errors and the cache folder with its small JSON files.
 """
 import json
 import os
+import tempfile
 
 def one_line(e):
     """An exception as one line: errors we report must fit on one."""
@@ -27,20 +29,27 @@ def cache_dir(*parts):
     return os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")), "gpt2-cpu", *parts)
 
 def read_json(path):
-    """A small cache file's contents, or {} if it is missing or unreadable."""
+    """A small cache file's dict, or {} if it is missing, unreadable, or holds something else: a cache is
+    input like any other, and a broken one only makes the run work its contents out again."""
     try:
         with open(path) as f:
-            return json.load(f)
+            obj = json.load(f)
     except (OSError, ValueError):
         return {}
+    return obj if isinstance(obj, dict) else {}
 
 def write_json(path, obj):
-    """A small cache file, replaced whole: ranks on one host may write at once, each to its own temporary
-    file, and the last rename wins. A read-only cache only makes the next run work it out again."""
+    """A small cache file, replaced whole: ranks on one host (or two runs) may write at once, each to a
+    temporary file of its own (mkstemp: unique per process and thread), and the last rename wins; a reader
+    sees the old file or a new one, never half of one. A read-only cache only makes the next run work it
+    out again."""
+    tmp = None
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
             json.dump(obj, f)
-        os.replace(f"{path}.{os.getpid()}.tmp", path)
+        os.replace(tmp, path)
     except OSError:
-        pass
+        if tmp is not None and os.path.exists(tmp):
+            os.remove(tmp)

@@ -1,9 +1,11 @@
 """
 This CPU: how many threads a rank runs, what the C library does with freed memory, the vector-math
 warm-up that keeps results independent of thread timing, and what it computes fast: native bf16 or
-not, its measured matmul rates, and so the dtype a run uses (choose_dtype) and its share of that rate.
+not, and its matmul rates, measured and kept as the best ever seen (matmul_rates), from which
+speedups.resolve_dtype picks a run's dtype and each step line takes its share (MatmulRate).
 """
 import ctypes
+import math
 import os
 import socket
 import sys
@@ -118,14 +120,11 @@ def keep_freed_memory():
     return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))
 
 # -----------------------------------------------------------------------------
-# The dtype: bf16 only where this CPU computes it natively. With AVX512-BF16 or AMX (x86), or Arm's BF16
-# extension, oneDNN runs bf16 matmuls at over twice the fp32 rate (AMD EPYC Zen 4, 2 cores: 418 vs 184
-# GFLOP/s at GPT-2's MLP shape). Without them PyTorch falls back to a slow bf16 GEMM: 0.9 GFLOP/s
-# against 184 for fp32 on an AVX2 EPYC, 200x slower (pytorch/pytorch#118499). So the flags decide, and
-# a short measurement at the model's matmul shape confirms: a CPU that advertises bf16 but runs it no
-# faster than fp32 gets fp32, which is also the more precise of the two.
-
-BF16_MIN_SPEEDUP = 1.25  # bf16's matmul must beat fp32's by this much to pay for autocast's casts
+# What this CPU computes fast. With AVX512-BF16 or AMX (x86), or Arm's BF16 extension, oneDNN runs bf16
+# matmuls at over twice the fp32 rate (AMD EPYC Zen 4, 2 cores: 418 vs 184 GFLOP/s at GPT-2's MLP shape).
+# Without them PyTorch falls back to a slow bf16 GEMM: 0.9 GFLOP/s against 184 for fp32 on an AVX2 EPYC,
+# 200x slower (pytorch/pytorch#118499). The flags say which; a short measurement at the model's matmul
+# shape confirms (speedups.resolve_dtype decides), and gives each step line its share of the CPU's rate.
 
 def cpu_name():
     """The CPU's model name, as /proc/cpuinfo gives it (else the platform's word for it)."""
@@ -149,54 +148,106 @@ def describe_cpu(threads):
     return (f"cpu: {cpu_name()}, {torch.backends.cpu.get_cpu_capability()}, native bf16: "
             f"{'yes' if native_bf16() else 'no'}, {threads} torch thread(s)")
 
-def matmul_rate(dtype, width, seconds=0.05):
-    """GFLOP/s of this CPU, on torch's threads now, at the model's matmul shape: (M, width) @ (width,
-    4 width), the MLP's first layer. M grows from 16 to 1024 rows while one product takes under
-    `seconds`, so a dtype that runs at 1 GFLOP/s costs a fraction of a second to find out about.
-    Measured once per machine (CPU, ISA, torch, threads, shape) and remembered in the cache folder."""
-    key = (f"{cpu_name()}|{torch.backends.cpu.get_cpu_capability()}|{torch.__version__}|"
-           f"{torch.get_num_threads()}|{dtype}|{width}")
+# The matmul rate: GFLOP/s of this CPU, on torch's threads now, at the model's matmul shape, (M, width) @
+# (width, 4 width), the MLP's first layer. A shared machine's noise (another job, a package install) only
+# ever slows a measurement, so a rate is a best, not a sample: every start measures afresh (well under a
+# second), and ~/.cache/gpt2-cpu/matmul_rates.json keeps the best ever measured for each key (CPU, ISA,
+# torch, threads, dtype, width), which a later, quieter start can only raise. Once, a first run made
+# during a package install cached 34 GFLOP/s where the CPU does 410, and every later run printed "195% of
+# this CPU's bf16 matmul rate": now the next start corrects it. Delete the file (or one key) to start over.
+
+MEASURE_ROUNDS = 5  # at least this many timed products per dtype, in turns across the dtypes: the best counts
+
+def rate_key(dtype, width):
+    """The cache's key for a rate: it holds only for this CPU, vector ISA, torch, thread count, dtype and width."""
+    return (f"{cpu_name()}|{torch.backends.cpu.get_cpu_capability()}|{torch.__version__}|"
+            f"{torch.get_num_threads()}|{dtype}|{width}")
+
+def matmul_timer(width):
+    """time_product(dtype, rows): seconds of one (rows, width) @ (width, 4 width) product on torch's threads.
+    The first product of each shape is a warm-up (oneDNN picks and caches its kernel there), untimed.
+    Constant inputs: no draw from the random generator, which would change the run."""
+    operands = {}  # dtype: (rows, a, b), the latest shape only
+    def time_product(dtype, rows):
+        if operands.get(dtype, (None,))[0] != rows:
+            operands[dtype] = rows, torch.full((rows, width), 0.5, dtype=dtype), torch.full((width, 4 * width), 0.5, dtype=dtype)
+            operands[dtype][1] @ operands[dtype][2]
+        _, a, b = operands[dtype]
+        t0 = time.perf_counter()
+        a @ b
+        return time.perf_counter() - t0
+    return time_product
+
+def measure_matmul_rates(dtypes, width, seconds=0.05, time_product=None):
+    """{dtype: GFLOP/s} measured now, at the model's shape. For each dtype, M grows from 16 rows, 4x at a time
+    up to 1024, while a product of the next size would still take under `seconds` (4 times this one), so
+    one that runs at 1 GFLOP/s costs a fraction of a second to find out about. Then the dtypes take turns
+    (bf16, fp32, bf16, fp32, ...), and each keeps its fastest product: a busy moment slows both alike, where
+    timing one dtype and then the other could slow only one and flip the choice between them. Every dtype
+    gets the same number of turns: MEASURE_ROUNDS, or more while they span under 2 x `seconds` in all (a
+    small model's products take a millisecond, less than a busy moment lasts). time_product (default
+    matmul_timer(width)) times one product."""
+    time_product = time_product or matmul_timer(width)
+    rows, best = {}, {}
+    for dtype in dtypes:
+        rows[dtype] = 16
+        while 4 * (took := time_product(dtype, rows[dtype])) <= seconds and rows[dtype] < 1024:
+            rows[dtype] *= 4
+        best[dtype] = took
+    # a dtype so slow that 16 rows take over `seconds` (PyTorch's bf16 fallback, ~100x slower) is not timed
+    # again: a second look would cost seconds at GPT-2 XL's width and tell nothing new
+    turns = [dtype for dtype in dtypes if rows[dtype] > 16 or best[dtype] <= seconds]
+    rounds, spent = 0, 0.0
+    while turns and (rounds < MEASURE_ROUNDS or (spent < 2 * seconds and rounds < 1000)):
+        for dtype in turns:
+            took = time_product(dtype, rows[dtype])
+            best[dtype], spent = min(best[dtype], took), spent + took
+        rounds += 1
+    return {dtype: 2 * rows[dtype] * width * 4 * width / best[dtype] / 1e9 for dtype in dtypes}
+
+def measure_matmul_rate(dtype, width, seconds=0.05):
+    """One dtype's rate now, from a fresh measurement alone (bench/bench_train.py probes with it after each step)."""
+    return measure_matmul_rates([dtype], width, seconds)[dtype]
+
+def is_rate(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+def matmul_rates(dtypes, width, time_product=None):
+    """{dtype: GFLOP/s}: for each dtype the best of a fresh measurement (interleaved, see measure_matmul_rates)
+    and the best ever cached for this machine, which the fresh one raises if it beats it. The cache file is
+    read as input: entries that are not positive numbers are dropped; unreadable JSON is replaced."""
+    fresh = measure_matmul_rates(dtypes, width, time_product=time_product)
     cache_file = cache_dir("matmul_rates.json")
-    cache = read_json(cache_file)
-    if key not in cache:
-        cache[key] = measure_matmul_rate(dtype, width, seconds)
-        write_json(cache_file, cache)
-    return cache[key]
+    # read again just before writing, and write at once: another rank's or run's rates written meanwhile are kept
+    cache = {k: v for k, v in read_json(cache_file).items() if is_rate(v)}
+    rates = {dtype: max(fresh[dtype], cache.get(rate_key(dtype, width), 0)) for dtype in dtypes}
+    cache.update({rate_key(dtype, width): rate for dtype, rate in rates.items()})
+    write_json(cache_file, cache)
+    return rates
 
-def measure_matmul_rate(dtype, width, seconds):
-    rows = 16
-    while True:  # constant inputs: no draw from the random generator, which would change the run
-        a, b = torch.full((rows, width), 0.5, dtype=dtype), torch.full((width, 4 * width), 0.5, dtype=dtype)
-        a @ b  # warm-up: oneDNN picks and caches its kernel
-        t0 = time.perf_counter()
-        a @ b
-        best = time.perf_counter() - t0
-        if best > seconds or rows >= 1024:
-            break
-        rows *= 4
-    for _ in range(min(3, int(seconds / best))):  # the best of a few: the machine's noise only slows
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * rows * width * 4 * width / best / 1e9
+def matmul_rate(dtype, width, time_product=None):
+    return matmul_rates([dtype], width, time_product)[dtype]
 
-def choose_dtype(requested, native, rates):
-    """The run's dtype for --dtype auto|bf16|fp32 on a CPU: native (native_bf16()) and rates
-    ({'bf16': GFLOP/s, 'fp32': GFLOP/s}, matmul_rate's) decide. Returns (dtype, line to print), the
-    line starting 'warning:' when an explicit bf16 will run slowly here."""
-    bf16, fp32 = rates["bf16"], rates["fp32"]
-    fast = native and bf16 >= BF16_MIN_SPEEDUP * fp32
-    measured = f"bf16 matmul {bf16:.0f} GFLOP/s vs fp32 {fp32:.0f} here"
-    if requested == "bf16" and not fast:
-        return "bf16", (f"warning: --dtype bf16 on a CPU without fast bf16: {measured}, "
-                        f"{fp32 / max(bf16, 1e-9):.1f}x slower than fp32 would be (--dtype auto picks fp32)")
-    if requested != "auto":
-        return requested, f"dtype: {requested} (--dtype {requested}; {measured})"
-    isa = torch.backends.cpu.get_cpu_capability()
-    if fast:
-        return "bf16", f"dtype: bf16 ({isa}, native bf16: {measured}; --dtype fp32 for full precision)"
-    why = "native bf16, but not faster" if native else "no native bf16"
-    return "fp32", f"dtype: fp32 ({isa}, {why}: {measured}; --dtype bf16 forces it)"
+class MatmulRate:
+    """This CPU's matmul rate in the run's dtype ('bf16' or 'fp32') at the model's width, and a step's share of it (the step
+    lines' ' | 62% of this CPU's fp32 matmul rate'). A step above 100% is evidence that the rate is wrong:
+    a busy moment slowed its measurement. Then it is measured again, once per run: a step that still beats
+    it runs shapes the probe does not (the bf16 fallback, docs/performance.md), and measuring again every
+    step would not change that."""
+
+    def __init__(self, name, width, time_product=None):
+        self.name, self.width, self.time_product = name, width, time_product
+        self.dtype = torch.bfloat16 if name == "bf16" else torch.float32
+        self.gflops, self.measured_again = matmul_rate(self.dtype, width, time_product), False
+
+    def share(self, gflops):
+        """' | N% of this CPU's bf16 matmul rate' for a step that ran at `gflops` GFLOP/s (per rank)."""
+        note = ""
+        if gflops > self.gflops and not self.measured_again:
+            old, self.measured_again = self.gflops, True
+            self.gflops = matmul_rate(self.dtype, self.width, self.time_product)
+            note = f" (measured again: the step beat the {old:.0f} GFLOP/s on record; now {self.gflops:.0f})"
+        return f" | {100 * gflops / self.gflops:.0f}% of this CPU's {self.name} matmul rate{note}"
 
 def flops_per_token(n_params, n_layer, n_embd, seq_len):
     """Training FLOPs per token (forward + backward): 6 per parameter (2 forward, 4 backward), plus

@@ -15,18 +15,46 @@ from plumbing import cache_dir, cpu
 # The precision: --dtype auto|bf16|fp32. bf16 halves the bytes every matmul reads and, on a CPU with
 # AVX512-BF16 or AMX, more than doubles its rate; on one without (AVX2: most laptops, many cloud VMs),
 # PyTorch's fallback for bf16 matmuls runs ~150x slower than fp32 (1 vs 170 GFLOP/s, pytorch#118499).
+# So on a CPU the flags decide (cpu.native_bf16), and the rates measured at the model's shape confirm:
+# one that advertises bf16 but runs it no faster than fp32 gets fp32, also the more precise of the two.
 
-def resolve_dtype(requested, device_type, width):
-    """--dtype auto|bf16|fp32 -> ('bf16' or 'fp32', the line that says why). On a CPU: bf16 where it is
-    native and measured faster at the model's width (cpu.choose_dtype); call it once torch's threads are
-    set, as the rates are those of these threads. On a GPU: bf16 where the device supports it."""
+BF16_MIN_SPEEDUP = 1.25  # bf16's matmul must beat fp32's by this much to pay for autocast's casts
+
+def resolve_dtype(requested, device_type, width, ranks=None):
+    """--dtype auto|bf16|fp32 -> ('bf16' or 'fp32', the line that says why): the one place a run's precision
+    is decided. On a CPU: bf16 where it is native and measured faster at the model's width (cpu.matmul_rates:
+    both dtypes in turns, each the best of now and before); call it once torch's threads are set, as the
+    rates are those of these threads. An explicit bf16 that will run slowly here gets a line starting
+    'warning:'. On a GPU: bf16 where the device supports it. ranks (world.Ranks, for a job of several):
+    every rank calls this, and --dtype auto keeps bf16 only if every rank chose it."""
     if device_type == "cpu":
-        rates = {"bf16": cpu.matmul_rate(torch.bfloat16, width), "fp32": cpu.matmul_rate(torch.float32, width)}
-        return cpu.choose_dtype(requested, cpu.native_bf16(), rates)
-    if requested != "auto":
+        rates = cpu.matmul_rates((torch.bfloat16, torch.float32), width)
+        bf16, fp32, native = rates[torch.bfloat16], rates[torch.float32], cpu.native_bf16()
+        fast = native and bf16 >= BF16_MIN_SPEEDUP * fp32
+        measured = f"bf16 matmul {bf16:.0f} GFLOP/s vs fp32 {fp32:.0f} here"
+        if requested == "bf16" and not fast:
+            return "bf16", (f"warning: --dtype bf16 on a CPU without fast bf16: {measured}, "
+                            f"{fp32 / bf16:.1f}x slower than fp32 would be (--dtype auto picks fp32)")
+        if requested != "auto":
+            return requested, f"dtype: {requested} (--dtype {requested}; {measured})"
+        isa = torch.backends.cpu.get_cpu_capability()
+        if fast:
+            dtype, line = "bf16", f"dtype: bf16 ({isa}, native bf16: {measured}; --dtype fp32 for full precision)"
+        else:
+            why = "native bf16, but not faster" if native else "no native bf16"
+            dtype, line = "fp32", f"dtype: fp32 ({isa}, {why}: {measured}; --dtype bf16 forces it)"
+    elif requested != "auto":
         return requested, f"dtype: {requested} (--dtype {requested})"
-    fast = device_type == "xpu" or (device_type == "cuda" and torch.cuda.is_bf16_supported())
-    return ("bf16", f"dtype: bf16 ({device_type})") if fast else ("fp32", f"dtype: fp32 ({device_type} without bf16)")
+    elif device_type == "xpu" or (device_type == "cuda" and torch.cuda.is_bf16_supported()):
+        dtype, line = "bf16", f"dtype: bf16 ({device_type})"
+    else:
+        dtype, line = "fp32", f"dtype: fp32 ({device_type} without bf16)"
+    if ranks is not None and ranks.world_size > 1:  # a collective: every rank with --dtype auto gets here
+        everyone = ranks.all_reduce_sum(torch.tensor(float(dtype == "bf16"), device=ranks.device))
+        if dtype == "bf16" and everyone < ranks.world_size:
+            kind = "CPUs" if device_type == "cpu" else "devices"
+            dtype, line = "fp32", f"dtype: fp32 (some ranks' {kind} have no fast bf16)"
+    return dtype, line
 
 def autocast(dtype, device_type):
     """The forward pass in `dtype`: 'bf16' runs it under autocast (matmuls in bf16, softmax and norms in
