@@ -1,0 +1,619 @@
+"""
+finetune.py: your task's examples -> the token shards with a target mask that train_gpt2.py fine-tunes on;
+and how many of a fine-tuned model's answers are right.
+
+    python finetune.py --input train.jsonl --output_dir my_task          # 10% of the examples (<= 200) for val
+    python finetune.py --input openai/gsm8k --hf_config main --columns prompt=question,completion=answer \\
+                       --answer_regex '#### (.*)' --output_dir gsm8k      # a Hugging Face dataset, streamed
+    python finetune.py --demo                                            # a synthetic task, no network
+    python finetune.py --eval --ckpt_path log/model_00300.pt --input val.jsonl   # the share of right answers
+
+One example per line (.jsonl) or row (.parquet, a dataset), its format told by its keys:
+    {"prompt": ..., "completion": ...}                               prompt + completion + <|endoftext|>
+    {"instruction": ..., "input": ... (optional), "output": ...}     Alpaca: TEMPLATES["alpaca"] around them
+    {"messages": [{"role": "system" | "user" | "assistant", "content": ...}, ...]}   chat: TEMPLATES["chat"]
+The model learns to predict each answer and the <|endoftext|> after it (the targets), not the prompts, which
+it is only given. The output folder, for train_gpt2.py and sample.py, per split (train, val):
+    task_{split}_tokens.npy    uint16: every example's token ids, one after the other
+    task_{split}_targets.npy   uint8, as long: 1 where a token is a target
+    task_{split}_examples.npy  int64 (n, 3): each example's (start, answer_start, end) in the tokens
+and task.json last (its presence means the folder is complete): formats, templates, counts.
+"""
+import argparse
+import collections
+import glob
+import json
+import os
+import random
+import re
+import sys
+from contextlib import nullcontext
+
+import numpy as np
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from fineweb import atomic_write
+from plumbing import one_line
+from tokenizer import EOT, decode, encode
+
+TASK_VERSION = 1
+# The plain-text templates of the two formats that need one. No new special tokens: the vocabulary stays
+# GPT-2's, so OpenAI's weights fine-tune as they are and export_hf.py keeps working. They are stored in
+# task.json, and by train_gpt2.py in its checkpoints, so a model is always prompted the way it was trained.
+TEMPLATES = {
+    # Stanford Alpaca's two prompts (with an input, without one); the output follows "### Response:\n"
+    "alpaca": {
+        "input": "Below is an instruction that describes a task, paired with an input that provides further "
+                 "context. Write a response that appropriately completes the request.\n\n"
+                 "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n",
+        "no_input": "Below is an instruction that describes a task. Write a response that appropriately "
+                    "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n",
+    },
+    # each turn on its own line; an answer is " {content}" after "Assistant:", then <|endoftext|>, so the model
+    # learns to stop; "\n" after it when the user speaks again
+    "chat": {"system": "System: {content}\n", "user": "User: {content}\n", "assistant": "Assistant:",
+             "answer": " {content}", "after_answer": "\n"},
+}
+FORMAT_KEYS = {"prompt_completion": ("prompt", "completion"), "alpaca": ("instruction", "input", "output"),
+               "chat": ("messages",)}
+FIELDS = [k for keys in FORMAT_KEYS.values() for k in keys]
+SUFFIXES = (".jsonl", ".parquet")
+SPLITS = ("train", "val")
+
+# -----------------------------------------------------------------------------
+# 1. One example -> token ids and targets
+#
+# An example is a list of pieces of text, each a target or not (and EOT for <|endoftext|>). Each piece is
+# encoded on its own and the ids concatenated. Encoding "prompt + completion" as one text would let BPE merge
+# across the boundary (a completion " 42" after "=" could come out as one token "= 42"), and the mask would
+# have no exact place to go: TRL's users lost whole examples to that (TRL #598, #1820).
+
+class BadExample(ValueError):
+    """An example we cannot use. Its message is '<reason>: <details>'; the reason is what gets counted."""
+
+def json_type(value):
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+def detect_format(example):
+    """The format whose keys the example has: exactly one of FORMAT_KEYS."""
+    if not isinstance(example, dict):
+        raise BadExample(f"not an object: a JSON {json_type(example)}")
+    found = [fmt for fmt, keys in FORMAT_KEYS.items() if any(k in example for k in keys)]
+    if len(found) != 1:
+        keys = ", ".join(map(repr, sorted(example)[:8])) or "none"
+        raise BadExample(f"unknown format: keys {keys}; expected prompt/completion, instruction/input/output "
+                         "or messages (one of them)")
+    return found[0]
+
+def text_field(example, key, where=""):
+    if key not in example:
+        raise BadExample(f"missing field: {where}'{key}'")
+    if not isinstance(example[key], str):
+        raise BadExample(f"wrong type: {where}'{key}' is a {json_type(example[key])}, not a string")
+    return example[key]
+
+def nonempty(text, reason, what):
+    """Whitespace alone is no prompt and no answer."""
+    if not text.strip():
+        raise BadExample(f"{reason}: {what} is empty")
+    return text
+
+def chat_pieces(messages, chat, last_role="assistant"):
+    """[system], user, assistant, user, assistant, ... ending with last_role, as pieces."""
+    if not isinstance(messages, list) or not messages:
+        raise BadExample(f"wrong type: 'messages' is {'an empty array' if messages == [] else 'a ' + json_type(messages)}"
+                         ", not an array of turns")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise BadExample(f"wrong type: messages[{i}] is a {json_type(m)}, not an object")
+        text_field(m, "role", f"messages[{i}]."), text_field(m, "content", f"messages[{i}].")
+        if m["role"] not in ("system", "user", "assistant"):
+            raise BadExample(f"unknown role: messages[{i}].role is {m['role']!r} (use system, user or assistant)")
+    roles = [m["role"] for m in messages]
+    turns = roles[1:] if roles[0] == "system" else roles
+    if not turns or turns != ["user", "assistant"] * (len(turns) // 2) + ["user"] * (len(turns) % 2) \
+            or turns[-1] != last_role:
+        raise BadExample(f"roles out of order: {', '.join(roles)} (expected an optional system turn, then user "
+                         f"and assistant in turn, ending with {last_role})")
+    pieces = []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            nonempty(m["content"], "empty answer", f"messages[{i}].content")
+            pieces += [(chat["assistant"], False), (chat["answer"].format(content=m["content"]), True), (EOT, True)]
+        else:
+            nonempty(m["content"], "empty prompt", f"messages[{i}].content")
+            if i > 0 and messages[i - 1]["role"] == "assistant":   # after an answer's EOT, before the next user turn
+                pieces.append((chat["after_answer"], False))
+            pieces.append((chat[m["role"]].format(content=m["content"]), False))
+    return pieces
+
+def alpaca_prompt(alpaca, instruction, input_text):
+    nonempty(instruction, "empty prompt", "'instruction'")
+    if input_text and input_text.strip():
+        return alpaca["input"].format(instruction=instruction, input=input_text)
+    return alpaca["no_input"].format(instruction=instruction)
+
+def example_pieces(example, templates):
+    """The example as (text, is_target) pieces in order; (EOT, True) ends each answer."""
+    fmt = detect_format(example)
+    if fmt == "prompt_completion":   # exactly prompt + completion + <|endoftext|>: nothing added
+        prompt = nonempty(text_field(example, "prompt"), "empty prompt", "'prompt'")
+        completion = nonempty(text_field(example, "completion"), "empty answer", "'completion'")
+        return [(prompt, False), (completion, True), (EOT, True)]
+    if fmt == "alpaca":
+        instruction, output = text_field(example, "instruction"), text_field(example, "output")
+        input_text = example.get("input")   # optional; null is absent (datasets fill missing cells with null)
+        if input_text is not None:
+            input_text = text_field(example, "input")
+        prompt = alpaca_prompt(templates["alpaca"], instruction, input_text)
+        return [(prompt, False), (nonempty(output, "empty answer", "'output'"), True), (EOT, True)]
+    return chat_pieces(example["messages"], templates["chat"])
+
+def render(example, templates=TEMPLATES, train_on="completion"):
+    """An example -> (ids, targets, answer_start): targets[i] is 1 where the model learns to predict ids[i]
+    from ids[:i]; answer_start is where the last answer begins (what accuracy scores). --train_on all: every
+    token but the first is a target (the first has nothing before it to be predicted from)."""
+    ids, targets, answer_start = [], [], None
+    for piece, is_target in example_pieces(example, templates):
+        new = [EOT] if isinstance(piece, int) else encode(piece)   # encode_ordinary: a typed "<|endoftext|>" is text
+        if is_target and not isinstance(piece, int):
+            answer_start = len(ids)
+        ids += new
+        targets += [int(is_target)] * len(new)
+    if train_on == "all":
+        targets = [0] + [1] * (len(ids) - 1)
+    assert targets[0] == 0 and ids[-1] == EOT and 0 < answer_start < len(ids) - 1
+    return ids, targets, answer_start
+
+def fit(ids, targets, answer_start, max_len, too_long):
+    """An example takes len(ids) - 1 positions of a row (inputs ids[:-1], targets ids[1:]). Longer than
+    max_len: --too_long drop, or cut the prompt from the left, keeping the last answer and its EOT whole and at
+    least one token before them. Returns (ids, targets, answer_start, note); note is None if it fit."""
+    excess = len(ids) - 1 - max_len
+    if excess <= 0:
+        return ids, targets, answer_start, None
+    what = f"too long: {len(ids) - 1} positions > --max_len {max_len}"
+    if too_long == "drop":
+        raise BadExample(f"{what}; dropped (--too_long drop)")
+    if excess >= answer_start:
+        raise BadExample(f"{what}; dropped: its last answer and <|endoftext|> alone take "
+                         f"{len(ids) - answer_start} positions")
+    targets = [0] + targets[excess + 1:]   # the new first token has nothing before it: never a target
+    return ids[excess:], targets, answer_start - excess, f"{what}: cut {excess} prompt tokens from the left"
+
+def prompt_ids(task, prompt):
+    """What a model fine-tuned on `task` (a task.json dict) continues to answer `prompt`: a string, or (chat)
+    a list of messages ending with a user turn. A mixed task prompts a string in its most common format."""
+    templates, fmt = task["templates"], task["format"]
+    if fmt == "mixed":
+        fmt = max(sorted(task["formats"]), key=task["formats"].get)
+    if isinstance(prompt, list) or fmt == "chat":
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        pieces = chat_pieces(messages, templates["chat"], last_role="user")
+        return [t for p, _ in pieces + [(templates["chat"]["assistant"], False)]
+                for t in ([EOT] if isinstance(p, int) else encode(p))]
+    if fmt == "alpaca":
+        return encode(alpaca_prompt(templates["alpaca"], prompt, None))
+    return encode(prompt)
+
+# -----------------------------------------------------------------------------
+# 2. Where examples come from: local .jsonl / .parquet files, or a Hugging Face dataset, streamed
+#
+# A source yields (where, row): where is 'file:line' for the messages, row a dict (or the BadExample that
+# reading it gave). --columns renames a dataset's columns to our fields: prompt=question,completion=answer.
+
+Source = collections.namedtuple("Source", "name rows")   # rows() -> iterator of (where, row)
+
+def jsonl_rows(path):
+    with open(path, "rb") as f:
+        for line_no, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield f"{path}:{line_no}", json.loads(line)
+                except ValueError as e:   # (bytes that are not UTF-8 too)
+                    yield f"{path}:{line_no}", BadExample(f"not JSON: {e}")
+
+def parquet_rows(path):
+    rows = (row for batch in pq.ParquetFile(path).iter_batches(batch_size=1024) for row in batch.to_pylist())
+    for row_no, row in enumerate(rows, 1):
+        yield f"{path}:{row_no}", row
+
+def hub_source(dataset, config, split, columns):
+    """A Hugging Face dataset by name (or a local folder laid out like one), streamed as fineweb.py does:
+    rows are downloaded as they are read."""
+    import datasets   # here, so that local files work without it
+    try:
+        ds = datasets.load_dataset(dataset, name=config, split=split, streaming=True)
+    except Exception as e:
+        raise SystemExit(f"error: --input {dataset}: cannot open it as a Hugging Face dataset (config {config}, "
+                         f"split {split}): {one_line(e)}")
+    missing = [c for c in columns.values() if ds.column_names is not None and c not in ds.column_names]
+    if missing:
+        raise SystemExit(f"error: dataset {dataset}: no column {missing[0]!r} (columns: {', '.join(ds.column_names)});"
+                         " see --columns")
+    return Source(dataset, lambda: ((f"{dataset}:{i}", row) for i, row in enumerate(ds, 1)))
+
+def open_sources(names, args, flag):
+    """--input / --val_input values -> sources, in order; every file is checked before any is read.
+    A name that is no local file, folder or pattern is a dataset on the Hugging Face hub."""
+    sources = []
+    for name in names:
+        local = any(c in name for c in "*?[") or name.lower().endswith(SUFFIXES) or os.path.isfile(name)
+        if os.path.isdir(name) or not local:
+            sources.append(hub_source(name, args.hf_config, args.hf_split, args.columns))
+            continue
+        files = sorted(f for f in glob.glob(name) if os.path.isfile(f))
+        if not files:
+            raise SystemExit(f"error: {flag} {name}: no such file")
+        for path in files:
+            if not path.lower().endswith(SUFFIXES):
+                raise SystemExit(f"error: {path}: unsupported file type (use {' or '.join(SUFFIXES)})")
+            try:   # readable, and a parquet file's footer is sound
+                pq.ParquetFile(path) if path.lower().endswith(".parquet") else open(path, "rb").close()
+            except Exception as e:
+                raise SystemExit(f"error: {path}: cannot read it ({one_line(e)})")
+            read = parquet_rows if path.lower().endswith(".parquet") else jsonl_rows
+            sources.append(Source(path, lambda p=path, read=read: read(p)))
+    return sources
+
+# -----------------------------------------------------------------------------
+# 3. All examples: rendered, bad ones reported and counted, split, written
+
+Example = collections.namedtuple("Example", "ids targets answer_start")   # ids uint16, targets uint8 arrays
+
+def collect(sources, args, templates, max_len, what="examples"):
+    """Render every row; each bad one gets its line 'where: why' and is counted, the good ones all go on."""
+    examples, counts = [], {"formats": collections.Counter(), "dropped": collections.Counter(), "cut": 0}
+    bar = tqdm(desc=f"rendering {what}", unit="ex", dynamic_ncols=True, leave=False)
+    for source in sources:
+        for where, row in source.rows():
+            bar.update()
+            try:
+                if isinstance(row, BadExample):
+                    raise row
+                if args.columns and isinstance(row, dict):   # exactly the mapped columns, under our names
+                    row = {ours: row[theirs] for ours, theirs in args.columns.items() if theirs in row}
+                fmt = detect_format(row)
+                ids, targets, answer_start, note = fit(*render(row, templates, args.train_on), max_len, args.too_long)
+            except BadExample as e:
+                tqdm.write(f"{where}: {e}", file=sys.stderr)
+                counts["dropped"][str(e).split(":")[0]] += 1
+                continue
+            if note:
+                tqdm.write(f"{where}: {note}", file=sys.stderr)
+                counts["cut"] += 1
+            counts["formats"][fmt] += 1
+            examples.append(Example(np.array(ids, np.uint16), np.array(targets, np.uint8), answer_start))
+    bar.close()
+    return examples, counts
+
+def seeded_order(n, seed):
+    """A permutation of range(n) from the seed. Only random.random() is promised to give the same numbers in
+    every Python version (numpy's Generator methods and random.sample are not), so it is built from that."""
+    rng = random.Random(seed)
+    keys = [rng.random() for _ in range(n)]
+    return sorted(range(n), key=keys.__getitem__)
+
+def default_val_examples(n):
+    """10% of the examples, at most 200 (enough to measure accuracy to a few %), at least 1 when there are 2."""
+    return min(200, max(1, n // 10)) if n >= 2 else 0
+
+def write_split(out_dir, split, examples):
+    """The three arrays of one split, each written atomically; returns its counts for task.json."""
+    lengths = np.array([len(e.ids) for e in examples], np.int64)
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    arrays = {
+        "tokens": np.concatenate([e.ids for e in examples]) if examples else np.zeros(0, np.uint16),
+        "targets": np.concatenate([e.targets for e in examples]) if examples else np.zeros(0, np.uint8),
+        "examples": np.stack([starts, starts + [e.answer_start for e in examples], ends], axis=1).reshape(-1, 3),
+    }
+    for part, array in arrays.items():
+        atomic_write(os.path.join(out_dir, f"task_{split}_{part}.npy"),
+                     lambda f, a=array: np.save(f, a, allow_pickle=False))
+    # "longest" counts positions (tokens - 1), as --max_len and a training row do
+    return {"examples": len(examples), "tokens": int(ends[-1]) if examples else 0,
+            "targets": int(arrays["targets"].sum(dtype=np.int64)), "longest": int(lengths.max()) - 1 if examples else 0}
+
+def check_output_dir(out_dir, overwrite):
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise SystemExit(f"error: --output_dir {out_dir} is a file")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise SystemExit(f"error: --output_dir {out_dir} is not empty; pass --overwrite to replace its task files")
+
+def read_task(data_dir):
+    """The folder's task.json as a dict, or None when it is no task folder (pretraining shards, say)."""
+    path = os.path.join(data_dir, "task.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            task = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {path}: cannot read it ({one_line(e)})")
+    if not isinstance(task, dict) or task.get("kind") != "task" or task.get("version") != TASK_VERSION:
+        raise SystemExit(f"error: {path}: not a version {TASK_VERSION} task file; run finetune.py again")
+    return task
+
+def open_split(data_dir, split):
+    """(tokens, targets, examples) of a split, memory-mapped: read from disk as they are used."""
+    return tuple(np.load(os.path.join(data_dir, f"task_{split}_{part}.npy"), mmap_mode="r", allow_pickle=False)
+                 for part in ("tokens", "targets", "examples"))
+
+def prepare(args):
+    """--input (and --val_input) -> the task folder; returns task.json's dict."""
+    check_output_dir(args.output_dir, args.overwrite)
+    sources = open_sources(args.input, args, "--input")
+    val_sources = open_sources(args.val_input, args, "--val_input") if args.val_input else []
+    examples, counts = collect(sources, args, TEMPLATES, args.max_len)
+    if not examples:
+        raise SystemExit(f"error: --input {' '.join(args.input)}: no usable example (see the messages above)")
+    if val_sources:
+        val, val_counts = collect(val_sources, args, TEMPLATES, args.max_len, "val examples")
+        if not val:
+            raise SystemExit(f"error: --val_input {' '.join(args.val_input)}: no usable example")
+        for key in counts:
+            counts[key] += val_counts[key]
+        splits = {"train": examples, "val": val}
+    else:   # whole examples, chosen by the seed; both splits keep input order (the trainer shuffles)
+        n_val = default_val_examples(len(examples)) if args.val_examples is None else args.val_examples
+        if n_val >= len(examples):
+            raise SystemExit(f"error: --val_examples {n_val} leaves no train example ({len(examples)} usable)")
+        chosen = set(seeded_order(len(examples), args.seed)[:n_val])
+        splits = {"train": [e for i, e in enumerate(examples) if i not in chosen],
+                  "val": [e for i, e in enumerate(examples) if i in chosen]}
+    os.makedirs(args.output_dir, exist_ok=True)
+    task_path = os.path.join(args.output_dir, "task.json")
+    if os.path.exists(task_path):   # first: a run stopped while rewriting leaves a folder that says it is incomplete
+        os.remove(task_path)
+    formats = dict(sorted(counts["formats"].items()))
+    task = {"kind": "task", "version": TASK_VERSION, "format": next(iter(formats)) if len(formats) == 1 else "mixed",
+            "formats": formats, "templates": TEMPLATES, "train_on": args.train_on, "max_len": args.max_len,
+            "answer_regex": args.answer_regex,
+            "splits": {split: write_split(args.output_dir, split, splits[split]) for split in SPLITS},
+            "inputs": [s.name for s in sources], "val_inputs": [s.name for s in val_sources],
+            "columns": args.columns, "dropped": dict(sorted(counts["dropped"].items())),
+            "too_long": args.too_long, "cut": counts["cut"]}
+    atomic_write(task_path, lambda f: f.write(json.dumps(task, indent=1).encode() + b"\n"))
+    print_summary(args.output_dir, task)
+    return task
+
+def print_summary(out_dir, task):
+    print(f"{out_dir}: {', '.join(f'{n} {fmt}' for fmt, n in task['formats'].items())} "
+          f"(train on {task['train_on']})")
+    for split, s in task["splits"].items():
+        share = s["targets"] / s["tokens"] if s["tokens"] else 0
+        print(f"  {split:5s} {s['examples']:,} examples, {s['tokens']:,} tokens, {s['targets']:,} targets "
+              f"({share:.1%} of tokens), longest {s['longest']} positions")
+    dropped = task["dropped"]
+    if dropped:
+        print(f"  dropped {sum(dropped.values()):,}: " + ", ".join(f"{why} {n}" for why, n in dropped.items()))
+    print(f"  too long (> --max_len {task['max_len']} positions, --too_long {task['too_long']}): "
+          f"{task['cut']} cut from the left, {dropped.get('too long', 0)} dropped")
+
+# -----------------------------------------------------------------------------
+# 4. Task accuracy: greedy answers, scored
+#
+# Val loss says how likely the right answers are; accuracy says how often the model gives them. Each prompt
+# is answered greedily (sample.answer: the KV cache, stopping at <|endoftext|>) and compared with the expected
+# answer after collapsing whitespace, or, with an answer regex, only what its first group finds in each (for
+# GSM8K '#### (.*)': the final number, not the working before it).
+
+def answer_key(text, answer_regex=None):
+    """What is compared: the whole text, or the regex's first group in it (None: it found nothing)."""
+    if answer_regex:
+        found = re.search(answer_regex, text)
+        if found is None or found.group(1) is None:
+            return None
+        text = found.group(1)
+    return " ".join(text.split())
+
+def split_examples(data_dir, split="val"):
+    """A task folder's examples as (prompt ids, expected answer text)."""
+    tokens, _, offsets = open_split(data_dir, split)
+    return [(tokens[s:a].tolist(), decode(tokens[a:e - 1])) for s, a, e in offsets.tolist()]
+
+def task_accuracy(model, examples, autocast=None, max_new_tokens=None, answer_regex=None, n=None, ranks=None,
+                  lockstep=False):
+    """The share of right answers, and this rank's (prompt text, expected, got) list.
+
+    examples: a task folder (its val split; answer_regex defaults to its task.json's) or a list of
+    (prompt ids, expected text); n: the first n only. max_new_tokens: None gives each prompt twice its expected
+    answer's tokens plus 16, room for any right answer, while a wrong one that rambles on is cut short.
+    ranks (train_gpt2's world.Ranks): rank r answers examples r, r + world_size, ... and the counts are summed
+    over the ranks; lockstep=True: every rank answers every example (a sharded model, whose every forward
+    needs all the ranks)."""
+    import torch
+    import sample
+    if isinstance(examples, (str, os.PathLike)):
+        task = read_task(examples)
+        if task is None:
+            raise SystemExit(f"error: {examples}: no task.json, not a task folder")
+        answer_regex = answer_regex or task["answer_regex"]
+        examples = split_examples(examples)
+    examples = list(examples)[:n]
+    rank, world_size = (ranks.rank, ranks.world_size) if ranks is not None and not lockstep else (0, 1)
+    mine, right, results = examples[rank::world_size], 0, []
+    quiet = ranks is not None and not ranks.master
+    with torch.no_grad(), autocast or nullcontext():
+        for prompt, expected in tqdm(mine, desc="task accuracy", unit="ex", leave=False, disable=quiet):
+            limit = max_new_tokens or 2 * len(encode(expected)) + 16
+            got = decode(sample.answer(model, list(prompt), limit))
+            key = answer_key(got, answer_regex)
+            right += key is not None and key == answer_key(expected, answer_regex)
+            results.append((decode(prompt), expected, got))
+    counts = torch.tensor([right, len(mine)], dtype=torch.long, device=ranks.device if ranks else "cpu")
+    if ranks is not None and not lockstep:
+        ranks.all_reduce_sum(counts)
+    right, total = counts.tolist()
+    return (right / total if total else float("nan")), results
+
+def evaluate(args):
+    """--eval: a checkpoint (ours, or a Hugging Face-layout folder) answers --input's examples."""
+    import torch
+    import train_gpt2
+    from plumbing import cpu, speedups, world
+    cpu.warm_up_vector_math()   # results independent of thread timing (see plumbing/cpu.py)
+    path = args.ckpt_path
+    if not os.path.exists(path):
+        raise SystemExit(f"error: --ckpt_path {path} not found")
+    sources = open_sources(args.input, args, "--input")
+    if os.path.isfile(path) or os.path.isfile(os.path.join(path, "meta.pt")):   # one of ours: load it once
+        ckpt = train_gpt2.load_checkpoint(path)
+        task, model = ckpt.get("task"), train_gpt2.GPT.from_checkpoint(ckpt)
+        del ckpt
+    else:                                                 # a Hugging Face-layout folder, maybe with our task.json
+        task, model = read_task(path), train_gpt2.load_model(path)
+    templates = task["templates"] if task else TEMPLATES
+    answer_regex = args.answer_regex or (task or {}).get("answer_regex")
+    # the prompts as the model was trained on them, cut from the left to fit its context
+    examples, counts = collect(sources, args, templates, model.config.block_size)
+    if not examples:
+        raise SystemExit(f"error: --input {' '.join(args.input)}: no usable example")
+    examples = [(e.ids[:e.answer_start].tolist(), decode(e.ids[e.answer_start:-1])) for e in examples]
+    examples = examples[:args.max_examples]
+    device = world.pick_device(args.device, 0, 1)
+    model.to(device).eval()
+    dtype, why = speedups.resolve_dtype(args.dtype, torch.device(device).type, model.config.n_embd)
+    print(why, file=sys.stderr)
+    accuracy, results = task_accuracy(model, examples, speedups.autocast(dtype, torch.device(device).type),
+                                      args.max_new_tokens, answer_regex)
+    unmatched = sum(answer_key(expected, answer_regex) is None for _, expected in examples)
+    if unmatched:
+        print(f"warning: {unmatched} expected answers have no match of --answer_regex: they count as wrong",
+              file=sys.stderr)
+    for i, (prompt, expected, got) in enumerate(results[:3]):
+        key = answer_key(got, answer_regex)
+        mark = "right" if key is not None and key == answer_key(expected, answer_regex) else "wrong"
+        print(f"--- example {i + 1} ({mark})\nprompt:   {prompt[-500:]!r}\nexpected: {expected!r}\ngot:      {got!r}")
+    scoring = f"the first group of {answer_regex!r}" if answer_regex else "exact match after whitespace normalization"
+    print(f"task accuracy: {accuracy:.4f} ({round(accuracy * len(results))}/{len(results)} examples of "
+          f"{' '.join(args.input)}; {scoring})")
+    return accuracy
+
+# -----------------------------------------------------------------------------
+# 5. The offline demo's task
+
+DEMO_DIR = "task_demo"
+
+def demo_answer(prompt):
+    """The demo task's rule: 'Sort: 7 2 9 ->' is answered ' 2 7 9'."""
+    return " " + " ".join(sorted(prompt[len("Sort:"):-len("->")].split()))
+
+def make_demo_task(out_dir, n_train=20000, n_val=200, seed=1337):
+    """A synthetic task for the offline demo: sort 3 to 6 digits. Writes out_dir/train.jsonl and val.jsonl
+    (prompt/completion) and returns their paths. Made by a rule, so val holds prompts that train does not:
+    accuracy measures the rule learned, not answers remembered. Why sorting: GPT-2 spells " 0" ... " 9" as one
+    token each, so an example is about 15 tokens and a small model sees thousands of them a minute; the answer
+    depends on every digit of the prompt (no shortcut), yet the demo model learns it from scratch on 2 cores."""
+    rng = random.Random(seed)   # random() only, as in seeded_order: the same task in every Python version
+    def prompt():
+        digits = [str(int(rng.random() * 10)) for _ in range(3 + int(rng.random() * 4))]
+        return "Sort: " + " ".join(digits) + " ->"
+    val = {}
+    while len(val) < n_val:   # distinct val prompts (a dict keeps their order)
+        val[prompt()] = None
+    train = []
+    while len(train) < n_train:
+        p = prompt()
+        if p not in val:
+            train.append(p)
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for name, prompts in (("train", train), ("val", list(val))):
+        lines = "".join(json.dumps({"prompt": p, "completion": demo_answer(p)}) + "\n" for p in prompts)
+        paths.append(os.path.join(out_dir, f"{name}.jsonl"))
+        atomic_write(paths[-1], lambda f, text=lines: f.write(text.encode()))
+    return tuple(paths)
+
+def demo(args):
+    """--demo: the synthetic task's jsonl files and its task folder, in --output_dir (default task_demo)."""
+    out_dir = args.output_dir or DEMO_DIR
+    check_output_dir(out_dir, args.overwrite)
+    train, val = make_demo_task(out_dir, seed=args.seed)
+    # the folder now holds the two jsonl files: the task files go beside them
+    vars(args).update(input=[train], val_input=[val], output_dir=out_dir, overwrite=True)
+    task = prepare(args)
+    print(f"next: python train_gpt2.py --data_dir {out_dir} --log_dir log_{os.path.basename(out_dir.rstrip(os.sep))} "
+          "--n_layer 4 --n_head 4 --n_embd 128 --block_size 64 --no-compile")
+    return task
+
+# -----------------------------------------------------------------------------
+# 6. The command line
+
+def parse_columns(text):
+    """'prompt=question,completion=answer' -> {"prompt": "question", "completion": "answer"}."""
+    columns = {}
+    for pair in filter(None, text.split(",")):
+        ours, _, theirs = pair.partition("=")
+        if ours.strip() not in FIELDS or not theirs.strip():
+            raise SystemExit(f"error: --columns {text}: {pair!r} is not FIELD=COLUMN with FIELD one of "
+                             f"{', '.join(FIELDS)}")
+        columns[ours.strip()] = theirs.strip()
+    return columns
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Task examples (prompt/completion, Alpaca, chat) -> token shards with "
+                                "a target mask for train_gpt2.py; --eval: a model's answer accuracy.")
+    a = p.add_argument
+    a("--input", nargs="+", action="extend", default=[], metavar="PATH_OR_DATASET",
+      help=".jsonl/.parquet files or globs, or a Hugging Face dataset (name or local folder)")
+    val = p.add_mutually_exclusive_group()
+    val.add_argument("--val_input", nargs="+", action="extend", default=[], metavar="PATH_OR_DATASET",
+                     help="the val examples, read like --input (default: some of --input's)")
+    val.add_argument("--val_examples", type=int, help="examples of --input held out for val, chosen by --seed "
+                     "(default: 10%%, at most 200, at least 1; 0: none)")
+    a("--output_dir", help=f"where the task folder goes (--demo: {DEMO_DIR})")
+    a("--train_on", choices=["completion", "all"], default="completion",
+      help="completion: the answers and their <|endoftext|> are the targets; all: every token (default: %(default)s)")
+    a("--max_len", type=int, default=1024, help="most positions an example may take (tokens - 1; default: 1024)")
+    a("--too_long", choices=["cut", "drop"], default="cut",
+      help="a longer example: cut its prompt from the left, or drop it (default: %(default)s)")
+    a("--answer_regex", help="score answers by this regex's first group, e.g. '#### (.*)' for GSM8K "
+      "(default: the whole answer, whitespace normalized)")
+    a("--hf_config", help="the Hugging Face dataset's config (e.g. main for openai/gsm8k)")
+    a("--hf_split", default="train", help="its split (default: %(default)s)")
+    a("--columns", type=str, default="", help="our fields from its columns: FIELD=COLUMN,... e.g. "
+      "prompt=question,completion=answer (fields: " + ", ".join(FIELDS) + ")")
+    a("--seed", type=int, default=1337, help="picks the val examples (default: %(default)s)")
+    a("--overwrite", action="store_true", help="replace the task files in a non-empty --output_dir")
+    a("--demo", action="store_true", help="make a small synthetic task (no network) and prepare it")
+    a("--eval", action="store_true", help="score --ckpt_path's answers to --input's examples")
+    a("--ckpt_path", help="--eval: one of our checkpoints, or a Hugging Face-layout folder")
+    a("--max_examples", type=int, help="--eval: only the first N examples")
+    a("--max_new_tokens", type=int, help="--eval: most tokens per answer (default: twice the expected + 16)")
+    a("--device", default="auto", help="--eval: auto | cpu | cuda | cuda:N | xpu | mps")
+    a("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="--eval: precision of the forward pass")
+    args = p.parse_args(argv)
+    # every cheap check before any work
+    args.columns = parse_columns(args.columns)
+    if args.answer_regex is not None:
+        try:
+            groups = re.compile(args.answer_regex).groups
+        except re.error as e:
+            raise SystemExit(f"error: --answer_regex {args.answer_regex!r}: {e}")
+        if groups < 1:
+            raise SystemExit(f"error: --answer_regex {args.answer_regex!r} has no group: put the answer in (...)")
+    for flag in ("max_len", "val_examples", "max_examples", "max_new_tokens"):
+        if getattr(args, flag) is not None and getattr(args, flag) < (0 if flag == "val_examples" else 1):
+            raise SystemExit(f"error: --{flag} must be {'>= 0' if flag == 'val_examples' else 'at least 1'}")
+    if args.eval and (not args.ckpt_path or not args.input):
+        raise SystemExit("error: --eval needs --ckpt_path and --input")
+    if not args.eval and not args.demo and (not args.input or not args.output_dir):
+        raise SystemExit("error: give --input and --output_dir (or --demo, or --eval)")
+    return args
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.eval:
+        return evaluate(args)
+    if args.demo:
+        return demo(args)
+    task = prepare(args)
+    print(f"next: python train_gpt2.py --init_from gpt2 --data_dir {args.output_dir}")
+    return task
+
+if __name__ == "__main__":
+    main()
