@@ -236,10 +236,10 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, kv_cache=None, packed=None):
         """packed: a Packed batch (fine-tuning): positions restarting at each example, attention inside each example,
         and targets of IGNORE that count for nothing, whose positions are dropped before the loss."""
-        if packed is not None:
+        if packed is not None:  # only the positions in packed.picked (the targets) go through lm_head
             x = self.hidden(idx, packed.positions, lengths=packed.lengths)
-            counted = targets != IGNORE  # (a data-dependent shape: torch.compile splits its graph here)
-            return None, lm_head_loss(x[counted], self.lm_head.weight, targets[counted])
+            picked = packed.picked
+            return None, lm_head_loss(x.view(-1, x.size(-1))[picked], self.lm_head.weight, targets.view(-1)[picked])
         x = self.hidden(idx, kv_cache=kv_cache)
         # training and validation need only the loss: the logits are never all materialized (see lm_head_loss)
         return (self.lm_head(x), None) if targets is None else (None, lm_head_loss(x, self.lm_head.weight, targets))
@@ -373,6 +373,17 @@ class ValLoader:
 class Packed(NamedTuple):
     positions: torch.Tensor  # (B, T): each example's positions, from 0
     lengths: torch.Tensor  # (k,): the lengths of the examples and padding, in order, row after row (they sum to B*T)
+    picked: torch.Tensor  # (K,): where the targets are in the flattened rows (pick_targets)
+
+def pick_targets(y):
+    """The flat positions of y's targets, padded with one of its ignored positions to a multiple of LOSS_CHUNK: only
+    these go through lm_head and the loss. (Their count changes every batch; rounded up, torch.compile sees a few
+    shapes, each compiled once, not a new one every step.)"""
+    flat = y.reshape(-1)
+    counted = (flat != IGNORE).nonzero().squeeze(1)
+    size = min(flat.numel(), -(-counted.numel() // LOSS_CHUNK) * LOSS_CHUNK)
+    filler = (flat == IGNORE).nonzero()[:1, 0].expand(size - counted.numel())
+    return torch.cat((counted, filler))
 
 def pack(order, lengths, T):
     """Example indices, in the given order, cut into rows of at most T positions: the next example starts a new row
@@ -460,8 +471,8 @@ class TaskLoader:
             if at < self.T:  # the padding: one more "example" that nothing else sees
                 positions[r, at:] = np.arange(self.T - at)
                 lengths.append(self.T - at)
-        packed = Packed(torch.from_numpy(positions), torch.tensor(lengths, dtype=torch.long))
-        return torch.from_numpy(x), torch.from_numpy(y), packed
+        y = torch.from_numpy(y)
+        return torch.from_numpy(x), y, Packed(torch.from_numpy(positions), torch.tensor(lengths), pick_targets(y))
 
 # -----------------------------------------------------------------------------
 # Learning rate: linear warmup, then cosine decay to min_lr (build-nanogpt's get_lr)
@@ -873,7 +884,7 @@ def save_checkpoint(run, step, val_loss, evaluated=True):
         checkpoints.atomic_save(state, checkpoint_path(args.log_dir, step))
 
 def to_device(packed, device):
-    return Packed(packed.positions.to(device), packed.lengths)  # (lengths stay on the CPU: packed_attention reads them)
+    return Packed(packed.positions.to(device), packed.lengths, packed.picked.to(device))  # (packed_attention reads lengths)
 
 def train_step(run, step):
     """One optimizer step over total_batch_size tokens: grad_accum_steps micro-batches on every rank.

@@ -12,7 +12,7 @@ from torch.nn import functional as F
 import finetune
 import train_gpt2
 from conftest import TINY_MODEL, read_log, run_train
-from train_gpt2 import GPT, IGNORE, GPTConfig, Packed, TaskLoader, pack
+from train_gpt2 import GPT, IGNORE, GPTConfig, Packed, TaskLoader, pack, pick_targets
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -97,8 +97,8 @@ def test_a_batch_with_no_target_has_loss_zero_not_nan():
     loss.backward()
     assert loss.item() == 0.0 and not x.grad.any() and not w.grad.any()
     model = tiny_gpt()  # and through a packed forward, which drops every position before the loss
-    packed = Packed(torch.arange(8).expand(1, 8), torch.tensor([8]))
-    _, loss = model(torch.zeros(1, 8, dtype=torch.long), torch.full((1, 8), IGNORE), packed=packed)
+    y = torch.full((1, 8), IGNORE)
+    _, loss = model(torch.zeros(1, 8, dtype=torch.long), y, packed=Packed(torch.arange(8)[None], torch.tensor([8]), pick_targets(y)))
     loss.backward()
     assert loss.item() == 0.0 and all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
 
@@ -116,7 +116,8 @@ def packed_row(examples, T):
     pad = T - sum(lengths)
     x.append(torch.full((pad,), 50256)), y.append(torch.full((pad,), IGNORE)), pos.append(torch.arange(pad))
     lengths.append(pad)
-    return torch.cat(x)[None], torch.cat(y)[None], Packed(torch.cat(pos)[None], torch.tensor(lengths))
+    y = torch.cat(y)[None]
+    return torch.cat(x)[None], y, Packed(torch.cat(pos)[None], torch.tensor(lengths), pick_targets(y))
 
 
 def loss_and_grads(model, x, y, packed=None):
@@ -155,6 +156,15 @@ def test_packed_attention_equals_a_block_diagonal_mask():
         dense = model.hidden(x, packed.positions, mask)
         ours = model.hidden(x, packed.positions, lengths=packed.lengths)
     torch.testing.assert_close(ours, dense, rtol=0, atol=1e-5)
+
+
+def test_pick_targets_rounds_up_with_ignored_positions(monkeypatch):
+    monkeypatch.setattr(train_gpt2, "LOSS_CHUNK", 4)
+    y = torch.tensor([[IGNORE, 5, 6, IGNORE, 7, IGNORE], [IGNORE] * 6])
+    picked = pick_targets(y)
+    assert picked.tolist() == [1, 2, 4, 0]  # 3 targets, then an ignored position up to 4
+    assert pick_targets(torch.full((2, 3), IGNORE)).numel() == 0
+    assert pick_targets(torch.ones(2, 3, dtype=torch.long)).tolist() == list(range(6))  # all targets: capped at B*T
 
 
 def test_pack_keeps_examples_whole_and_in_order():
@@ -256,3 +266,23 @@ def test_resume_in_the_middle_of_an_epoch_is_exact(task, tmp_path):
     a = torch.load(ref / "model_00006.pt", weights_only=True)["model"]
     b = torch.load(part / "model_00006.pt", weights_only=True)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_ranks_and_sharded_equal_one_process(task, tmp_path):
+    """2 rows per step: 2 micro-steps on 1 process, 1 on each of 2 ranks (DDP), and the same sharded (FSDP2)."""
+    from test_distributed import TORCHRUN, clean_env, run_launched
+    equal = ["--batch_size", "1", "--total_batch_size", "128"]
+    single = tmp_path / "single"
+    run_train(task_run_args(task, single, *equal), env=clean_env())
+    ddp, sharded = tmp_path / "ddp", tmp_path / "sharded"
+    out = run_launched(task_run_args(task, ddp, *equal), TORCHRUN, clean_env()).stdout
+    assert "world size 2" in out
+    run_launched(task_run_args(task, sharded, *equal, "--shard", "full"), TORCHRUN, clean_env())
+    ref = read_log(single, "train")
+    for other in (ddp, sharded):
+        got = read_log(other, "train")
+        assert sorted(got) == sorted(ref) == [0, 1, 2, 3]
+        assert max(abs(ref[s] - got[s]) for s in ref) <= 1e-5
+        assert all(abs(a - b) <= 1e-4 for a, b in zip(read_log(single, "val").values(), read_log(other, "val").values()))
+        assert read_log(single, "task") == read_log(other, "task")
+        assert_close_weights(final_weights(single), final_weights(other), 1e-5)
