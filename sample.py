@@ -1,10 +1,20 @@
 """
-Generate text with a GPT-2: one of ours (a train_gpt2.py checkpoint) or OpenAI's.
+Generate text with a GPT-2: one of ours (a train_gpt2.py checkpoint) or OpenAI's; or ask a fine-tuned one.
 
     python sample.py --ckpt_path log/model_19072.pt --prompt "It is interesting"
     python sample.py --init_from gpt2 --prompt "Hello, I'm a language model," --num_samples 5
     python sample.py --init_from gpt2 --top_k 1            # greedy: always the most likely token
     python sample.py --init_from ./my_gpt2_dir             # config.json + model.safetensors
+    python sample.py --ckpt_path log_task/model_00300.pt --prompt "What is 12 + 7?" --top_k 1
+    python sample.py --ckpt_path log_chat/model_00300.pt --chat --system "You are terse."   # turns from stdin
+
+A model fine-tuned on a task (train_gpt2.py on a finetune.py folder; export_hf.py keeps it in task.json)
+answers instead: --prompt is rendered with the template it was trained on (finetune.prompt_ids), and only
+the answer is printed, up to the <|endoftext|> that ends it (one sample unless --num_samples; --top_k 1 is
+greedy, the answer task accuracy scores). --chat needs a model fine-tuned on chat data (messages); one
+trained on prompt/completion or Alpaca data has no turns to keep, so --chat is an error there. It reads
+your turns from stdin, one a line, until EOF, and answers each with the whole conversation as its prompt;
+when that plus --max_new_tokens no longer fits the context, the oldest exchanges go (the system turn stays).
 
 Each sample is printed token by token as it is generated. Generation uses a KV
 cache: the prompt goes through the model once, and after that each step feeds only the one new
@@ -109,12 +119,22 @@ def print_samples(model, ranks, autocast):
 # The command line
 
 def load_model(ckpt_path=None, init_from=None):
-    """One of our checkpoints (log/model_XXXXX.pt), or GPT.from_pretrained(gpt2... | folder)."""
+    """(model, task): one of our checkpoints (log/model_XXXXX.pt), or GPT.from_pretrained(gpt2... | folder);
+    task is the task.json dict a fine-tuned model carries (the checkpoint's ckpt["task"], or a task.json in
+    the folder, which export_hf.py writes), None for a plain language model."""
     import train_gpt2
-    model = train_gpt2.load_model(ckpt_path or init_from)
-    if ckpt_path:
-        print(f"loaded {ckpt_path}", file=sys.stderr)
-    return model
+    path = ckpt_path or init_from
+    if os.path.isfile(path) or os.path.isfile(os.path.join(path, "meta.pt")):  # ours (a .dcp folder has meta.pt)
+        ckpt = train_gpt2.load_checkpoint(path)
+        model, task = train_gpt2.GPT.from_checkpoint(ckpt), ckpt.get("task")
+    else:
+        model, task = train_gpt2.GPT.from_pretrained(path), None
+        if os.path.isfile(os.path.join(path, "task.json")):
+            import finetune
+            task = finetune.read_task(path)
+    if ckpt_path or task:
+        print(f"loaded {path}" + (f" (fine-tuned on a {task['format']} task)" if task else ""), file=sys.stderr)
+    return model, task
 
 
 def prompt_tokens(prompt, block_size):
@@ -129,8 +149,11 @@ def prompt_tokens(prompt, block_size):
 
 
 def stream_sample(model, ids, max_new_tokens, temperature=1.0, top_k=None, generator=None, dtype="fp32",
-                  out=None):
-    """Continue the prompt ids, writing each new token's text to out as soon as it exists.
+                  out=None, until_eot=False):
+    """Continue the prompt ids, writing each new token's text to out as soon as it exists; returns the new ids.
+    until_eot: an answer to a fine-tuned model's rendered prompt, which ends at <|endoftext|> (neither written
+    nor returned) or at the context's end, and shows no leading whitespace (the template's " " before a chat
+    answer); with top_k 1 it is answer().
 
     A token is a sequence of bytes, and one character (an emoji, a Chinese character) may be
     split over two tokens: an incremental UTF-8 decoder holds back incomplete characters until
@@ -140,25 +163,127 @@ def stream_sample(model, ids, max_new_tokens, temperature=1.0, top_k=None, gener
     autocast = speedups.autocast(dtype, device.type)
     enc = tokenizer.get_encoding()
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    new = []
+    if until_eot:
+        max_new_tokens = min(max_new_tokens, model.config.block_size - len(ids))
+    new, shown = [], False
     idx = torch.tensor([ids], dtype=torch.long, device=device)
     with autocast:
-        for next_id in generate(model, idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator):
+        for next_id in generate(model, idx, max(max_new_tokens, 0), temperature=temperature, top_k=top_k,
+                                generator=generator):
             token = int(next_id[0])
+            if until_eot and token == tokenizer.EOT:
+                break
             new.append(token)
-            out.write(utf8.decode(enc.decode_single_token_bytes(token)))
+            text = utf8.decode(enc.decode_single_token_bytes(token))
+            if until_eot and not shown:
+                text = text.lstrip()
+            shown = shown or bool(text)
+            out.write(text)
             out.flush()
+            if len(new) == max_new_tokens:  # stop before generate runs a forward for a token nobody takes
+                break
     out.write(utf8.decode(b"", final=True))
     return new
 
 
+# Talking to a fine-tuned model. Its checkpoint carries the task.json of the data it was fine-tuned on
+# (finetune.py), whose template turns a question into the prompt the model learned to answer, and it
+# learned to end each answer with <|endoftext|>. The chat keeps the conversation as messages and renders
+# all of it every turn, as in training: the model has no memory but what it is shown.
+
+def render(task, prompt):
+    """The token ids a fine-tuned model continues to answer prompt (a str, or a chat's list of messages)."""
+    import finetune
+    return finetune.prompt_ids(task, prompt)
+
+
+def fit_conversation(task, messages, block_size, room):
+    """The rendered conversation, after dropping its oldest user/assistant exchanges (not the system turn)
+    until it leaves room tokens for the answer within the context, or only the last user turn is left."""
+    ids = render(task, messages)
+    first = 1 if messages[0]["role"] == "system" else 0
+    while len(ids) + room > block_size and len(messages) - first > 1:
+        del messages[first:first + 2]  # a user turn and its answer
+        ids = render(task, messages)
+        print(f"note: the conversation no longer fits the context of {block_size} tokens with room for "
+              f"--max_new_tokens {room}: dropped its oldest exchange", file=sys.stderr)
+    return ids
+
+
+def chat(model, task, args, generator, lines):
+    """User turns from lines (one per line, blank lines skipped); each answer is printed on a line of its own
+    and kept in the conversation. Returns how many tokens were generated."""
+    block_size = model.config.block_size
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    n = 0
+    for line in lines:
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\r\n")})
+        ids = fit_conversation(task, messages, block_size, args.max_new_tokens)
+        if len(ids) >= block_size:
+            print(f"note: this turn alone is {len(ids)} tokens once rendered, the context is {block_size}: "
+                  f"skipped", file=sys.stderr)
+            messages.pop()
+            continue
+        new = stream_sample(model, ids, args.max_new_tokens, args.temperature, args.top_k or None, generator,
+                            args.dtype, until_eot=True)
+        print(flush=True)
+        n += len(new)
+        text = tokenizer.decode(new)
+        if not text.strip():  # the chat template has no empty answers: the exchange is forgotten
+            print("note: an empty answer: this exchange is not kept", file=sys.stderr)
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": text.removeprefix(" ")})  # the template adds " "
+    return n
+
+
+def ask(model, task, args, generator):
+    """--prompt to a fine-tuned model: its answer(s), each on a line. Returns how many tokens were generated."""
+    prompt = args.prompt
+    if args.system:  # a chat model (checked in main)
+        prompt = [{"role": "system", "content": args.system}, {"role": "user", "content": args.prompt}]
+    ids = render(task, prompt)
+    if len(ids) >= model.config.block_size:
+        raise SystemExit(f"error: --prompt is {len(ids)} tokens once rendered with the task's template, the "
+                         f"model's context is {model.config.block_size}: shorten it")
+    num_samples, n = args.num_samples or 1, 0
+    for i in range(num_samples):
+        if num_samples > 1:
+            print(f"--- sample {i + 1}/{num_samples}", flush=True)
+        n += len(stream_sample(model, ids, args.max_new_tokens, args.temperature, args.top_k or None,
+                               generator, args.dtype, until_eot=True))
+        print(flush=True)
+    return n
+
+
+def continue_text(model, args, generator):
+    """A plain language model: --num_samples continuations of --prompt, each printed after it."""
+    prompt = "Hello, I'm a language model," if args.prompt is None else args.prompt
+    ids = prompt_tokens(prompt, model.config.block_size)
+    num_samples, n = args.num_samples or 5, 0
+    for i in range(num_samples):
+        print(f"--- sample {i + 1}/{num_samples}", flush=True)
+        if prompt:
+            print(tokenizer.decode(ids), end="", flush=True)
+        n += len(stream_sample(model, ids, args.max_new_tokens, args.temperature, args.top_k or None,
+                               generator, args.dtype))
+        print(flush=True)
+    return n
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Sample text from a GPT-2 (ours or OpenAI's), with a KV cache.")
+    p = argparse.ArgumentParser(description="Sample text from a GPT-2 (ours or OpenAI's), with a KV cache; "
+                                            "ask a fine-tuned one (--prompt, --chat).")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--ckpt_path", help="a checkpoint written by train_gpt2.py, e.g. log/model_19072.pt")
     src.add_argument("--init_from", help="gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a Hugging Face-layout folder")
-    p.add_argument("--prompt", default="Hello, I'm a language model,", help="text to continue ('' = from scratch)")
-    p.add_argument("--num_samples", type=int, default=5)
+    p.add_argument("--prompt", help="text to continue ('' = from scratch; default \"Hello, I'm a language model,\"); "
+                                    "to a fine-tuned model: the question, rendered with its task's template")
+    p.add_argument("--chat", action="store_true", help="a fine-tuned chat model: your turns from stdin, one a line")
+    p.add_argument("--system", help="to a fine-tuned chat model: a system turn that opens the conversation")
+    p.add_argument("--num_samples", type=int, help="default 5; 1 for a fine-tuned model")
     p.add_argument("--max_new_tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=1.0, help="<1 sharper, >1 more random, 0 = greedy")
     p.add_argument("--top_k", type=int, default=50, help="sample among the k most likely tokens (0 = all; 1 = greedy)")
@@ -173,27 +298,36 @@ def main(argv=None):
     if args.ckpt_path and not os.path.exists(args.ckpt_path):
         raise SystemExit(f"error: --ckpt_path {args.ckpt_path} not found")
     for flag in ("num_samples", "max_new_tokens", "top_k", "temperature"):
-        if getattr(args, flag) < (1 if flag == "num_samples" else 0):
+        if getattr(args, flag) is not None and getattr(args, flag) < (1 if flag == "num_samples" else 0):
             raise SystemExit(f"error: --{flag} must be {'positive' if flag == 'num_samples' else '>= 0'}")
+    if args.chat and args.prompt is not None:
+        raise SystemExit("error: --chat reads your turns from stdin: give no --prompt")
+    if args.system is not None and not args.system.strip():
+        raise SystemExit("error: --system is empty")
     args.device = world.pick_device(args.device, 0, 1)
 
-    model = load_model(args.ckpt_path, args.init_from)
+    model, task = load_model(args.ckpt_path, args.init_from)
+    source = args.ckpt_path or args.init_from
+    if (args.chat or args.system is not None) and "chat" not in (task or {}).get("formats", {}):
+        raise SystemExit(f"error: --{'chat' if args.chat else 'system'} needs a model fine-tuned on chat data "
+                         f"(messages); {source} is " + (f"fine-tuned on {task['format']} data" if task else
+                                                        "a plain language model") + ": use --prompt")
+    if task is not None and not args.chat and not (args.prompt or "").strip():
+        raise SystemExit(f"error: {source} is fine-tuned on a task: ask it something with --prompt, or --chat")
     model.to(args.device).eval()
     if torch.device(args.device).type == "cpu":  # (stderr: stdout is the samples alone)
         print(cpu.describe_cpu(torch.get_num_threads()), file=sys.stderr)
     args.dtype, why = speedups.resolve_dtype(args.dtype, torch.device(args.device).type, model.config.n_embd)
     print(why, file=sys.stderr)
-    ids = prompt_tokens(args.prompt, model.config.block_size)
     # one generator, seeded once: the same command prints the same samples
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
-    t0, n = time.time(), 0
-    for i in range(args.num_samples):
-        print(f"--- sample {i + 1}/{args.num_samples}", flush=True)
-        if args.prompt:
-            print(tokenizer.decode(ids), end="", flush=True)
-        n += len(stream_sample(model, ids, args.max_new_tokens, args.temperature, args.top_k or None,
-                               generator, args.dtype))
-        print(flush=True)
+    t0 = time.time()
+    if args.chat:
+        if sys.stdin.isatty():
+            print("chat: type a message and press Enter; Ctrl-D ends", file=sys.stderr)
+        n = chat(model, task, args, generator, sys.stdin)
+    else:
+        n = ask(model, task, args, generator) if task is not None else continue_text(model, args, generator)
     dt = time.time() - t0
     print(f"{n} tokens in {dt:.1f}s: {n / max(dt, 1e-9):.1f} tokens/s ({args.device}, {args.dtype}, KV cache)",
           file=sys.stderr)

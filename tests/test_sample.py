@@ -72,7 +72,7 @@ def run_main(capsys, *argv):
 
 
 def load(ckpt):
-    return sample.load_model(ckpt_path=ckpt).eval()
+    return sample.load_model(ckpt_path=ckpt)[0].eval()
 
 
 # 70 new tokens after a 3-token prompt runs past the 64-token context: the cache's fallback is covered too
@@ -211,18 +211,25 @@ def test_answer_equals_greedy_recompute():
     assert len(set(sample.answer(model, prompt, 100))) > 5  # a continuation that says something
 
 
+def say_eot_at(model, ids, k):
+    """Make <|endoftext|> the greedy pick at step k of the answer to ids; returns the k tokens before it. Its
+    (tied) embedding row becomes the row of the token greedy picks there, nudged towards that step's hidden
+    state, so it wins there by a hair; where that token was picked before, it may win earlier (callers check)."""
+    free = greedy_reference(model, ids, k + 1)
+    assert len(free) == k + 1
+    with torch.no_grad():
+        h = model.hidden(torch.tensor([ids + free[:k]]))[0, -1]  # the state that picks free[k]
+        model.lm_head.weight[tokenizer.EOT] = model.lm_head.weight[free[k]] + 1e-3 * h / h.norm()
+    return free[:k]
+
+
 def test_answer_stops_at_eot():
-    """Make <|endoftext|> the most likely token at exactly one known step k of a greedy answer: its
-    (tied) embedding row becomes the row of the token greedy picks there, nudged towards that step's
-    hidden state, so it wins there by a hair and nowhere before (checked, not assumed)."""
     model = varied_model()
     prompt = tokenizer.encode("The quick brown fox")
     free = sample.answer(model, prompt, 30)
     assert len(free) == 30
     k = next(k for k in range(8, 30) if free[k] not in free[:k])  # a token greedy has not picked before
-    with torch.no_grad():
-        h = model.hidden(torch.tensor([prompt + free[:k]]))[0, -1]  # the state that picks free[k]
-        model.lm_head.weight[tokenizer.EOT] = model.lm_head.weight[free[k]] + 1e-3 * h / h.norm()
+    assert say_eot_at(model, prompt, k) == free[:k]
     got = sample.answer(model, prompt, 30)
     assert got == free[:k]  # everything before, and not the <|endoftext|>
     assert greedy_reference(model, prompt, 30) == got
