@@ -16,6 +16,9 @@ What goes into the folder:
   generation_config.json  <|endoftext|> as the start and end of text
   vocab.json, merges.txt  GPT-2's byte-level BPE, derived from our assets/gpt2.tiktoken (below)
   tokenizer_config.json, special_tokens_map.json
+  task.json               only for a fine-tuned model: the task.json of the data it was fine-tuned on
+                          (finetune.py), whose template renders a question as the prompt the model answers;
+                          sample.py --init_from reads it (and transformers ignores it)
 """
 import argparse
 import json
@@ -27,6 +30,7 @@ import tokenizer
 
 FILES = ("config.json", "model.safetensors", "generation_config.json", "vocab.json", "merges.txt",
          "tokenizer_config.json", "special_tokens_map.json")
+TASK_FILE = "task.json"  # written as well when the model is fine-tuned on a task
 EOT_TEXT = "<|endoftext|>"
 
 # -----------------------------------------------------------------------------
@@ -119,14 +123,16 @@ def tokenizer_files(block_size):
 
 def check_output_dir(out_dir):
     """An existing folder is replaced only if it holds nothing but an earlier export's files."""
-    if os.path.isdir(out_dir) and set(os.listdir(out_dir)) - set(FILES):
-        other = sorted(set(os.listdir(out_dir)) - set(FILES))[0]
+    ours = {*FILES, TASK_FILE}
+    if os.path.isdir(out_dir) and set(os.listdir(out_dir)) - ours:
+        other = sorted(set(os.listdir(out_dir)) - ours)[0]
         raise SystemExit(f"error: {out_dir} exists and holds other files ({other}, ...): choose another folder")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise SystemExit(f"error: {out_dir} exists and is not a folder")
 
-def export(model, out_dir):
-    """Write the folder; returns how many parameters it holds."""
+def export(model, out_dir, task=None):
+    """Write the folder (with task.json if task, the dict a fine-tuned checkpoint carries); returns how many
+    parameters it holds."""
     from safetensors.torch import save_file
     check_output_dir(out_dir)
     out_dir = os.path.abspath(out_dir)
@@ -138,6 +144,8 @@ def export(model, out_dir):
         texts = tokenizer_files(model.config.block_size)
         texts["config.json"] = json.dumps(hf_config(model.config), indent=2)
         texts["generation_config.json"] = json.dumps({"bos_token_id": tokenizer.EOT, "eos_token_id": tokenizer.EOT}, indent=2)
+        if task is not None:
+            texts[TASK_FILE] = json.dumps(task, indent=2)
         for name, text in texts.items():
             with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
                 f.write(text)
@@ -158,11 +166,11 @@ def main(argv=None):
     if not os.path.exists(args.checkpoint) and not args.checkpoint.startswith("gpt2"):
         raise SystemExit(f"error: checkpoint {args.checkpoint} not found")
     check_output_dir(args.output_dir)  # before loading anything
-    from train_gpt2 import load_model
-    model = load_model(args.checkpoint)  # checksums verified, one error line if unreadable
-    n = export(model, args.output_dir)
+    from sample import load_model
+    model, task = load_model(args.checkpoint)  # checksums verified, one error line if unreadable
+    n = export(model, args.output_dir, task)
     print(f"exported {args.checkpoint} ({n / 1e6:.2f}M parameters, {model.config.n_layer} layers) to "
-          f"{args.output_dir}: {', '.join(FILES)}", file=sys.stderr)
+          f"{args.output_dir}: {', '.join(FILES + ((TASK_FILE,) if task else ()))}", file=sys.stderr)
 
 if __name__ == "__main__":
     main()

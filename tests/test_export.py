@@ -84,6 +84,37 @@ def test_fine_tuned_checkpoint(tmp_path):
     assert_same_as_transformers(load_model(str(ckpt)), str(tmp_path / "hf"))
 
 
+def test_fine_tuned_on_a_task(tmp_path, capsys):
+    """A checkpoint that carries its task: task.json goes into the folder, sample.py --init_from reads it, and
+    transformers' greedy generate, stopping at <|endoftext|>, gives our answer to a rendered prompt token for token."""
+    import finetune
+    from test_chat import eot_at_a_new_token, save, task_of
+    from test_sample import varied_model
+    from transformers import GPT2LMHeadModel
+    model, task = varied_model(64), task_of("chat")
+    ids = finetune.prompt_ids(task, [{"role": "user", "content": "What is two plus two?"}])
+    ours = eot_at_a_new_token(model, ids, 6)
+    assert sample.answer(model, ids, 40) == ours and len(ours) >= 6
+    ckpt = save(tmp_path / "model.pt", model, task)
+    proc = run_export(ckpt, tmp_path / "hf")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(os.listdir(tmp_path / "hf")) == sorted([*export_hf.FILES, "task.json"])
+    assert json.loads((tmp_path / "hf" / "task.json").read_text()) == task
+
+    hf = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
+    theirs = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=40, do_sample=False, eos_token_id=tokenizer.EOT,
+                         pad_token_id=tokenizer.EOT)[0, len(ids):].tolist()
+    assert theirs == ours + [tokenizer.EOT]  # the same answer, and they stopped where we did
+
+    sample.main(["--init_from", str(tmp_path / "hf"), "--prompt", "What is two plus two?", "--top_k", "1",
+                 "--max_new_tokens", "40", "--device", "cpu", "--dtype", "fp32"])
+    out = capsys.readouterr()
+    assert out.out == tokenizer.decode(ours).lstrip() + "\n" and "fine-tuned on a chat task" in out.err
+    export_hf.main([str(tmp_path / "hf"), str(tmp_path / "again")])  # a re-export keeps it
+    assert json.loads((tmp_path / "again" / "task.json").read_text()) == task
+
+
 def test_round_trip_from_pretrained_is_the_identity(tmp_path):
     save_random_hf_gpt2(tmp_path / "a")
     a = GPT.from_pretrained(str(tmp_path / "a"))
