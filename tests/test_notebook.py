@@ -1,4 +1,5 @@
-"""play.ipynb runs headless on the log of a tiny training run (with in-loop HellaSwag), and of a fine-tuning run (task accuracy), and draws its figure."""
+"""play.ipynb runs headless on the log of a tiny training run (with in-loop HellaSwag) and on a fine-tuning
+run's (task accuracy), and draws its figure."""
 import ast
 import json
 import os
