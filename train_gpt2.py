@@ -626,15 +626,15 @@ class Run:
 
     def share_of_matmul_rate(self, dt):
         """' | N% of this CPU's fp32 matmul rate': the step's FLOPs (6 per parameter and token, plus
-        attention) per second on this rank, against what this CPU's matmuls reach at the model's shape."""
+        attention) per second on this rank, against what this CPU's matmuls reach at the model's shape
+        (cpu.MatmulRate: measured again, and said so, when a step beats it)."""
         if self.device_type != "cpu":
             return ""
-        if self.matmul_rate is None:  # after the first step, outside its time (measured once per machine, cached)
+        if self.matmul_rate is None:  # after the first step, outside its time
             config, n_params = self.raw_model.config, sum(p.numel() for p in self.raw_model.parameters())
             self.flops_per_token = cpu.flops_per_token(n_params, config.n_layer, config.n_embd, self.args.seq_len)
-            self.matmul_rate = cpu.matmul_rate(torch.bfloat16 if self.dtype == "bf16" else torch.float32, config.n_embd)
-        per_rank = self.args.total_batch_size / self.ranks.world_size / dt * self.flops_per_token / 1e9
-        return f" | {100 * per_rank / self.matmul_rate:.0f}% of this CPU's {self.dtype} matmul rate"
+            self.matmul_rate = cpu.MatmulRate(self.dtype, config.n_embd)
+        return self.matmul_rate.share(self.args.total_batch_size / self.ranks.world_size / dt * self.flops_per_token / 1e9)
 
 def resolve_args(argv, ranks):
     """The run's arguments: the command line, or, with --resume, the checkpoint's run arguments overridden by the
@@ -744,11 +744,7 @@ def set_up_machine(run):
     if device_type == "cpu":  # one matmul thread per physical core, shared among the ranks on this node
         ranks.print0(cpu.set_cpu_threads(args.threads, ranks.world_size, ranks.local_world))
         ranks.print0(cpu.describe_cpu(torch.get_num_threads()))
-    dtype, why = speedups.resolve_dtype(args.dtype, device_type, args.n_embd)
-    if ranks.world_size > 1 and args.dtype == "auto":  # bf16 only if every rank computes it fast: ranks agree
-        everyone = ranks.all_reduce_sum(torch.tensor(float(dtype == "bf16"), device=ranks.device))
-        if dtype == "bf16" and everyone < ranks.world_size:
-            dtype, why = "fp32", "dtype: fp32 (some ranks' CPUs have no fast bf16)"
+    dtype, why = speedups.resolve_dtype(args.dtype, device_type, args.n_embd, ranks)  # ranks agree on it
     ranks.print0(why)
     ipex = speedups.ipex_for_dtype(ipex, args.ipex, dtype, device_type != "cpu" or torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return device_type, dtype, speedups.autocast(dtype, device_type), ipex

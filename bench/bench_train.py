@@ -16,7 +16,7 @@ configuration's dtype, by plumbing.cpu); and the peak resident memory (RSS) of e
 header names the CPU (model, vector ISA, native bf16 or not): every figure is that CPU's.
 
 --dtype auto (the default): bf16 where this CPU computes it natively and faster than fp32, else fp32
-(plumbing.cpu.choose_dtype; without native bf16 a bf16 matmul runs ~200x slower). Each worker decides
+(plumbing.speedups.resolve_dtype; without native bf16 a bf16 matmul runs ~200x slower). Each worker decides
 for itself, on its own threads, and the header says why.
 
 A configuration (--a, --b) is a comma-separated list of:

@@ -212,10 +212,12 @@ def measure_matmul_rate(dtype, width, seconds=0.05):
 def is_rate(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
-def matmul_rates(dtypes, width, time_product=None):
+def matmul_rates(dtypes, width, time_product=None, kept=True):
     """{dtype: GFLOP/s}: for each dtype the best of a fresh measurement (interleaved, see measure_matmul_rates)
-    and the best ever cached for this machine, which the fresh one raises if it beats it. The cache file is
-    read as input: entries that are not positive numbers are dropped; unreadable JSON is replaced."""
+    and the best ever cached for this machine, which the fresh one raises if it beats it; kept=False: the fresh
+    measurement itself (the dtype decision compares bf16 and fp32 measured in the same moment, like with like,
+    and a cached figure that is too high, which no noise can make but an edited file can, does not sway it).
+    The cache file is read as input: entries that are not positive numbers are dropped; unreadable JSON is replaced."""
     fresh = measure_matmul_rates(dtypes, width, time_product=time_product)
     cache_file = cache_dir("matmul_rates.json")
     # read again just before writing, and write at once: another rank's or run's rates written meanwhile are kept
@@ -223,7 +225,7 @@ def matmul_rates(dtypes, width, time_product=None):
     rates = {dtype: max(fresh[dtype], cache.get(rate_key(dtype, width), 0)) for dtype in dtypes}
     cache.update({rate_key(dtype, width): rate for dtype, rate in rates.items()})
     write_json(cache_file, cache)
-    return rates
+    return rates if kept else fresh
 
 def matmul_rate(dtype, width, time_product=None):
     return matmul_rates([dtype], width, time_product)[dtype]

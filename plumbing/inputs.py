@@ -48,7 +48,7 @@ def max_token_id(path, tokens):
     key = f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}"
     cache_file = cache_dir("max_token_ids.json")
     cache = read_json(cache_file)
-    if key not in cache:
+    if not isinstance(cache.get(key), int):  # (a cache file is input too: a damaged entry is worked out again)
         cache[key] = int(tokens.max())
         write_json(cache_file, cache)
     return cache[key]

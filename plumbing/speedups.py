@@ -23,12 +23,12 @@ BF16_MIN_SPEEDUP = 1.25  # bf16's matmul must beat fp32's by this much to pay fo
 def resolve_dtype(requested, device_type, width, ranks=None):
     """--dtype auto|bf16|fp32 -> ('bf16' or 'fp32', the line that says why): the one place a run's precision
     is decided. On a CPU: bf16 where it is native and measured faster at the model's width (cpu.matmul_rates:
-    both dtypes in turns, each the best of now and before); call it once torch's threads are set, as the
+    both dtypes now, in turns, so that a busy moment slows both alike); call it once torch's threads are set, as the
     rates are those of these threads. An explicit bf16 that will run slowly here gets a line starting
     'warning:'. On a GPU: bf16 where the device supports it. ranks (world.Ranks, for a job of several):
     every rank calls this, and --dtype auto keeps bf16 only if every rank chose it."""
     if device_type == "cpu":
-        rates = cpu.matmul_rates((torch.bfloat16, torch.float32), width)
+        rates = cpu.matmul_rates((torch.bfloat16, torch.float32), width, kept=False)  # (the cache keeps the best)
         bf16, fp32, native = rates[torch.bfloat16], rates[torch.float32], cpu.native_bf16()
         fast = native and bf16 >= BF16_MIN_SPEEDUP * fp32
         measured = f"bf16 matmul {bf16:.0f} GFLOP/s vs fp32 {fp32:.0f} here"

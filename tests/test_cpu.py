@@ -147,6 +147,18 @@ def test_a_poisoned_rate_is_corrected_by_the_next_start(cache, monkeypatch):
     assert read_json(cache)[cpu.rate_key(FP32, 128)] == pytest.approx(150.0)
 
 
+def test_a_cached_rate_above_the_cpus_does_not_sway_the_decision(cache, monkeypatch):
+    """The issue's acceptance on an AVX2 host: 34 GFLOP/s written for bf16 where the fallback does 1. No noise
+    makes a rate too high, but an edited or copied file can: the decision and its line use this start's
+    interleaved measurement, and the step lines' share the best kept."""
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps({cpu.rate_key(FP32, 128): 10.0, cpu.rate_key(BF16, 128): 34.0}))
+    on_cpu(monkeypatch, False, {FP32: 150.0, BF16: 1.0}, width=128)
+    dtype, line = speedups.resolve_dtype("auto", "cpu", 128)
+    assert dtype == "fp32" and "bf16 matmul 1 GFLOP/s vs fp32 150 here" in line
+    assert cpu.MatmulRate("fp32", 128).gflops == pytest.approx(150.0)
+
+
 @pytest.mark.parametrize("contents", [b'{"', b"", b"[1, 2]", b"null", b'"rates"', b"\xff\xfe{}"])
 def test_a_corrupt_cache_file_is_replaced_and_the_run_goes_on(cache, monkeypatch, contents):
     on_cpu(monkeypatch, True, {FP32: 150.0, BF16: 410.0}, width=128)

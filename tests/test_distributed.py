@@ -283,8 +283,8 @@ def test_ranks_agree_on_bf16_only_if_every_cpu_computes_it_fast(data, tmp_path, 
     need(mpirun, "MPICH's mpirun")
     from plumbing import speedups
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    # rank 0's choice, made here first on one thread as rank 0 runs: the rates are cached, so rank 0 reads
-    # the same ones, and its choice does not hang on the other rank's load on the cores while it measures
+    # rank 0's choice, made here first on one thread as rank 0 runs: rank 0 measures again, but the cache keeps
+    # the best rates, so its rates are at least these, and a busy moment cannot make it choose otherwise
     alone, _ = speedups.resolve_dtype("auto", "cpu", 32)
     args = [str(a) for a in tiny_run_args(data, tmp_path / "log", "--dtype", "auto", "--max_steps", "2",
                                           "--eval_interval", "0", "--checkpoint_interval", "2")]
