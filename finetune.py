@@ -65,16 +65,16 @@ SPLITS = ("train", "val")
 # 1. One example -> token ids and targets
 #
 # An example is a list of pieces of text, each a target or not (and EOT for <|endoftext|>). Each piece is
-# encoded on its own and the ids concatenated. Encoding "prompt + completion" as one text would let BPE merge
-# across the boundary (a completion " 42" after "=" could come out as one token "= 42"), and the mask would
-# have no exact place to go: TRL's users lost whole examples to that (TRL #598, #1820).
+# encoded on its own and the ids concatenated. Encoded as one text, "The answer is " + "42" gives the token
+# " 42", half prompt and half answer, and the mask would have no exact place to go; a template that tokenizes
+# differently in context silently masked whole examples for TRL's users (TRL #598, #1820).
 
 class BadExample(ValueError):
     """An example we cannot use. Its message is '<reason>: <details>'; the reason is what gets counted."""
 
 def json_type(value):
-    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
-    return "null" if value is None else names.get(type(value), type(value).__name__)
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number",
+            type(None): "null"}.get(type(value), type(value).__name__)
 
 def detect_format(example):
     """The format whose keys the example has: exactly one of FORMAT_KEYS."""
@@ -144,9 +144,8 @@ def example_pieces(example, templates):
         return [(prompt, False), (completion, True), (EOT, True)]
     if fmt == "alpaca":
         instruction, output = text_field(example, "instruction"), text_field(example, "output")
-        input_text = example.get("input")   # optional; null is absent (datasets fill missing cells with null)
-        if input_text is not None:
-            input_text = text_field(example, "input")
+        # "input" is optional; null is absent (datasets fill missing cells with null)
+        input_text = None if example.get("input") is None else text_field(example, "input")
         prompt = alpaca_prompt(templates["alpaca"], instruction, input_text)
         return [(prompt, False), (nonempty(output, "empty answer", "'output'"), True), (EOT, True)]
     return chat_pieces(example["messages"], templates["chat"])
@@ -229,10 +228,11 @@ def hub_source(dataset, config, split, columns):
     except Exception as e:
         raise SystemExit(f"error: --input {dataset}: cannot open it as a Hugging Face dataset (config {config}, "
                          f"split {split}): {one_line(e)}")
-    missing = [c for c in columns.values() if ds.column_names is not None and c not in ds.column_names]
-    if missing:
-        raise SystemExit(f"error: dataset {dataset}: no column {missing[0]!r} (columns: {', '.join(ds.column_names)});"
-                         " see --columns")
+    known = ds.column_names or []   # (None when the dataset does not say before it is read)
+    missing = [c for c in columns.values() if known and c not in known]
+    if missing or known and not columns and not set(known) & set(FIELDS):   # one line, not one per row
+        raise SystemExit(f"error: dataset {dataset}: {f'no column {missing[0]!r}' if missing else 'none of our fields'}"
+                         f" (columns: {', '.join(known)}); see --columns")
     return Source(dataset, lambda: ((f"{dataset}:{i}", row) for i, row in enumerate(ds, 1)))
 
 def open_sources(names, args, flag):
@@ -381,16 +381,13 @@ def prepare(args):
     return task
 
 def print_summary(out_dir, task):
-    print(f"{out_dir}: {', '.join(f'{n} {fmt}' for fmt, n in task['formats'].items())} "
-          f"(train on {task['train_on']})")
+    print(f"{out_dir}: {', '.join(f'{n:,} {fmt}' for fmt, n in task['formats'].items())}, train on {task['train_on']}")
     for split, s in task["splits"].items():
-        share = s["targets"] / s["tokens"] if s["tokens"] else 0
         print(f"  {split:5s} {s['examples']:,} examples, {s['tokens']:,} tokens, {s['targets']:,} targets "
-              f"({share:.1%} of tokens), longest {s['longest']} positions")
+              f"({s['targets'] / max(1, s['tokens']):.1%} of tokens), longest {s['longest']} positions")
     dropped = task["dropped"]
-    if dropped:
-        print(f"  dropped {sum(dropped.values()):,}: " + ", ".join(f"{why} {n}" for why, n in dropped.items()))
-    print(f"  too long (> --max_len {task['max_len']} positions, --too_long {task['too_long']}): "
+    print(f"  dropped {sum(dropped.values()):,}" + "".join(f", {why} {n}" for why, n in dropped.items()) +
+          f"; too long (> --max_len {task['max_len']} positions, --too_long {task['too_long']}): "
           f"{task['cut']} cut from the left, {dropped.get('too long', 0)} dropped")
 
 # -----------------------------------------------------------------------------
@@ -420,8 +417,9 @@ def task_accuracy(model, examples, autocast=None, max_new_tokens=None, answer_re
     """The share of right answers, and this rank's (prompt text, expected, got) list.
 
     examples: a task folder (its val split; answer_regex defaults to its task.json's) or a list of
-    (prompt ids, expected text); n: the first n only. max_new_tokens: None gives each prompt twice its expected
-    answer's tokens plus 16, room for any right answer, while a wrong one that rambles on is cut short.
+    (prompt ids, expected text); n: the first n only. max_new_tokens: None gives each answer room for a right
+    one, and cuts short a wrong one that rambles on: the expected answer's tokens + 8 (a right answer has as
+    many, give or take some whitespace), twice that + 16 with a regex (the working before the answer varies).
     ranks (train_gpt2's world.Ranks): rank r answers examples r, r + world_size, ... and the counts are summed
     over the ranks; lockstep=True: every rank answers every example (a sharded model, whose every forward
     needs all the ranks)."""
@@ -439,7 +437,8 @@ def task_accuracy(model, examples, autocast=None, max_new_tokens=None, answer_re
     quiet = ranks is not None and not ranks.master
     with torch.no_grad(), autocast or nullcontext():
         for prompt, expected in tqdm(mine, desc="task accuracy", unit="ex", leave=False, disable=quiet):
-            limit = max_new_tokens or 2 * len(encode(expected)) + 16
+            n_expected = len(encode(expected))
+            limit = max_new_tokens or (2 * n_expected + 16 if answer_regex else n_expected + 8)
             got = decode(sample.answer(model, list(prompt), limit))
             key = answer_key(got, answer_regex)
             right += key is not None and key == answer_key(expected, answer_regex)
@@ -583,7 +582,7 @@ def parse_args(argv=None):
     a("--eval", action="store_true", help="score --ckpt_path's answers to --input's examples")
     a("--ckpt_path", help="--eval: one of our checkpoints, or a Hugging Face-layout folder")
     a("--max_examples", type=int, help="--eval: only the first N examples")
-    a("--max_new_tokens", type=int, help="--eval: most tokens per answer (default: twice the expected + 16)")
+    a("--max_new_tokens", type=int, help="--eval: most tokens per answer (default: from the expected answer's)")
     a("--device", default="auto", help="--eval: auto | cpu | cuda | cuda:N | xpu | mps")
     a("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="--eval: precision of the forward pass")
     args = p.parse_args(argv)

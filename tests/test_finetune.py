@@ -81,9 +81,11 @@ def test_prompt_completion_is_exactly_the_two_encodings_and_eot(prompt, completi
 
 
 def test_the_mask_boundary_does_not_move_where_bpe_would_merge():
-    """'x =' + '42' as one text encodes differently from the two apart: the pieces are encoded apart."""
-    assert enc("x =42") != enc("x =") + enc("42") or enc("a") == enc("a")
-    ids, targets, _ = finetune.render({"prompt": "x =", "completion": "42"})
+    """Encoded as one text, 'The answer is ' + '42' gives the token ' 42', half prompt and half answer: the
+    pieces are encoded apart, so the answer's tokens are exactly its own."""
+    assert enc("The answer is 42") != enc("The answer is ") + enc("42")
+    ids, targets, _ = finetune.render({"prompt": "The answer is ", "completion": "42"})
+    assert ids == enc("The answer is ") + enc("42") + [EOT]
     assert target_runs(ids, targets) == ["42<|endoftext|>"]
 
 
@@ -403,6 +405,8 @@ def test_hugging_face_streaming_path_on_a_local_dataset_folder(tmp_path, monkeyp
     assert task["inputs"] == [str(ds)]
     task = prepare("--input", ds, "--hf_split", "test", "--output_dir", tmp_path / "test", "--val_examples", 0, *flags)
     assert task["splits"]["train"]["examples"] == 4 and task["dropped"] == {"empty answer": 1}
+    with pytest.raises(SystemExit, match=r"none of our fields \(columns: question, answer, source\); see --columns"):
+        prepare("--input", ds, "--output_dir", tmp_path / "z")   # GSM8K's columns without --columns
     with pytest.raises(SystemExit, match="no column 'query'"):
         prepare("--input", ds, "--columns", "prompt=query,completion=answer", "--output_dir", tmp_path / "x")
     with pytest.raises(SystemExit, match="cannot open it as a Hugging Face dataset"):
@@ -456,6 +460,20 @@ def test_task_accuracy_against_a_plain_greedy_loop():
         assert finetune.task_accuracy(model, examples, max_new_tokens=5, answer_regex=first_word)[0] == 1.0
     # no match in the answer: wrong
     assert finetune.task_accuracy(model, examples, max_new_tokens=5, answer_regex=r"(zzz\d+)")[0] == 0.0
+
+
+def test_default_answer_length_comes_from_the_expected_answer(monkeypatch):
+    """Room for a right answer: the expected answer's tokens + 8; with a regex, twice that + 16."""
+    import sample
+    model, asked = tiny_model(), []
+    real_answer = sample.answer
+    monkeypatch.setattr(sample, "answer", lambda m, ids, n: asked.append(n) or real_answer(m, ids, n))
+    examples = [(enc("Q: a"), " one two three"), (enc("Q: b"), "x")]
+    finetune.task_accuracy(model, examples)
+    finetune.task_accuracy(model, examples, answer_regex="(.*)")
+    finetune.task_accuracy(model, examples, max_new_tokens=3)
+    n = [len(enc(e)) for _, e in examples]
+    assert asked == [n[0] + 8, n[1] + 8, 2 * n[0] + 16, 2 * n[1] + 16, 3, 3]
 
 
 def test_answer_key():
