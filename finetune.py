@@ -386,7 +386,8 @@ def print_summary(out_dir, task):
         print(f"  {split:5s} {s['examples']:,} examples, {s['tokens']:,} tokens, {s['targets']:,} targets "
               f"({s['targets'] / max(1, s['tokens']):.1%} of tokens), longest {s['longest']} positions")
     dropped = task["dropped"]
-    print(f"  dropped {sum(dropped.values()):,}" + "".join(f", {why} {n}" for why, n in dropped.items()) +
+    print(f"  dropped {sum(dropped.values()):,}" + (f" ({', '.join(f'{why} {n}' for why, n in dropped.items())})"
+                                                    if dropped else "") +
           f"; too long (> --max_len {task['max_len']} positions, --too_long {task['too_long']}): "
           f"{task['cut']} cut from the left, {dropped.get('too long', 0)} dropped")
 
@@ -465,6 +466,8 @@ def evaluate(args):
         del ckpt
     else:                                                 # a Hugging Face-layout folder, maybe with our task.json
         task, model = read_task(path), train_gpt2.load_model(path)
+    print(f"loaded {path}: " + (f"fine-tuned on a {task['format']} task, its templates" if task else
+                                "no task.json, finetune.py's templates"), file=sys.stderr)
     templates = task["templates"] if task else TEMPLATES
     answer_regex = args.answer_regex or (task or {}).get("answer_regex")
     # the prompts as the model was trained on them, cut from the left to fit its context
