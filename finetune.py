@@ -408,6 +408,10 @@ def answer_key(text, answer_regex=None):
         text = found.group(1)
     return " ".join(text.split())
 
+def is_right(got, expected, answer_regex=None):
+    key = answer_key(got, answer_regex)
+    return key is not None and key == answer_key(expected, answer_regex)
+
 def split_examples(data_dir, split="val"):
     """A task folder's examples as (prompt ids, expected answer text)."""
     tokens, _, offsets = open_split(data_dir, split)
@@ -441,8 +445,7 @@ def task_accuracy(model, examples, autocast=None, max_new_tokens=None, answer_re
             n_expected = len(encode(expected))
             limit = max_new_tokens or (2 * n_expected + 16 if answer_regex else n_expected + 8)
             got = decode(sample.answer(model, list(prompt), limit))
-            key = answer_key(got, answer_regex)
-            right += key is not None and key == answer_key(expected, answer_regex)
+            right += is_right(got, expected, answer_regex)
             results.append((decode(prompt), expected, got))
     counts = torch.tensor([right, len(mine)], dtype=torch.long, device=ranks.device if ranks else "cpu")
     if ranks is not None and not lockstep:
@@ -471,7 +474,7 @@ def evaluate(args):
     templates = task["templates"] if task else TEMPLATES
     answer_regex = args.answer_regex or (task or {}).get("answer_regex")
     # the prompts as the model was trained on them, cut from the left to fit its context
-    examples, counts = collect(sources, args, templates, model.config.block_size)
+    examples, _ = collect(sources, args, templates, model.config.block_size)
     if not examples:
         raise SystemExit(f"error: --input {' '.join(args.input)}: no usable example")
     examples = [(e.ids[:e.answer_start].tolist(), decode(e.ids[e.answer_start:-1])) for e in examples]
@@ -486,13 +489,12 @@ def evaluate(args):
     if unmatched:
         print(f"warning: {unmatched} expected answers have no match of --answer_regex: they count as wrong",
               file=sys.stderr)
-    for i, (prompt, expected, got) in enumerate(results[:3]):
-        key = answer_key(got, answer_regex)
-        mark = "right" if key is not None and key == answer_key(expected, answer_regex) else "wrong"
-        print(f"--- example {i + 1} ({mark})\nprompt:   {prompt[-500:]!r}\nexpected: {expected!r}\ngot:      {got!r}")
+    right = [is_right(got, expected, answer_regex) for _, expected, got in results]
+    for i, (prompt, expected, got) in enumerate(results[:3]):   # (the prompt's end: where the answer follows)
+        print(f"--- example {i + 1} ({'right' if right[i] else 'wrong'})\nprompt:   {prompt[-500:]!r}\n"
+              f"expected: {expected!r}\ngot:      {got!r}")
     scoring = f"the first group of {answer_regex!r}" if answer_regex else "exact match after whitespace normalization"
-    print(f"task accuracy: {accuracy:.4f} ({round(accuracy * len(results))}/{len(results)} examples of "
-          f"{' '.join(args.input)}; {scoring})")
+    print(f"task accuracy: {accuracy:.4f} ({sum(right)}/{len(results)} examples of {' '.join(args.input)}; {scoring})")
     return accuracy
 
 # -----------------------------------------------------------------------------

@@ -555,6 +555,12 @@ def test_eval_on_a_hugging_face_layout_model(tmp_path, capsys):
     assert "prompt:   'Do sums:'" in out and f"expected: {greedy + chr(10)!r}" in out and f"got:      {greedy!r}" in out
     assert "prompt:   'Do more with x:'" in out
     assert re.search(r"task accuracy: 0\.5000 \(1/2 examples of .*val\.jsonl; exact match", out)
+    # a regex that the expected answers do not match: said, and every answer is wrong
+    assert finetune.main(["--eval", "--ckpt_path", str(folder), "--input", src, "--max_new_tokens", "6",
+                          "--dtype", "fp32", "--device", "cpu", "--answer_regex", "#### (.*)"]) == 0.0
+    out, err = capsys.readouterr()
+    assert "warning: 2 expected answers have no match of --answer_regex" in err
+    assert "task accuracy: 0.0000 (0/2 examples" in out and "the first group of '#### (.*)'" in out
 
 
 # --- the demo task ------------------------------------------------------------------------------
