@@ -364,19 +364,22 @@ def prepare(args):
         chosen = set(seeded_order(len(examples), args.seed)[:n_val])
         splits = {"train": [e for i, e in enumerate(examples) if i not in chosen],
                   "val": [e for i, e in enumerate(examples) if i in chosen]}
-    os.makedirs(args.output_dir, exist_ok=True)
-    task_path = os.path.join(args.output_dir, "task.json")
-    if os.path.exists(task_path):   # first: a run stopped while rewriting leaves a folder that says it is incomplete
-        os.remove(task_path)
     formats = dict(sorted(counts["formats"].items()))
     task = {"kind": "task", "version": TASK_VERSION, "format": next(iter(formats)) if len(formats) == 1 else "mixed",
             "formats": formats, "templates": TEMPLATES, "train_on": args.train_on, "max_len": args.max_len,
-            "answer_regex": args.answer_regex,
-            "splits": {split: write_split(args.output_dir, split, splits[split]) for split in SPLITS},
+            "answer_regex": args.answer_regex, "splits": {},
             "inputs": [s.name for s in sources], "val_inputs": [s.name for s in val_sources],
             "columns": args.columns, "dropped": dict(sorted(counts["dropped"].items())),
             "too_long": args.too_long, "cut": counts["cut"]}
-    atomic_write(task_path, lambda f: f.write(json.dumps(task, indent=1).encode() + b"\n"))
+    task_path = os.path.join(args.output_dir, "task.json")
+    try:
+        os.makedirs(args.output_dir, exist_ok=True)
+        if os.path.exists(task_path):   # first: a run stopped while rewriting leaves a folder that says it is incomplete
+            os.remove(task_path)
+        task["splits"] = {split: write_split(args.output_dir, split, splits[split]) for split in SPLITS}
+        atomic_write(task_path, lambda f: f.write(json.dumps(task, indent=1).encode() + b"\n"))
+    except OSError as e:   # no permission, disk full, ...: one line
+        raise SystemExit(f"error: cannot write to --output_dir {args.output_dir}: {one_line(e)}")
     print_summary(args.output_dir, task)
     return task
 

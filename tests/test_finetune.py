@@ -232,6 +232,10 @@ def test_a_non_empty_output_folder_needs_overwrite(tmp_path):
     prepare("--input", src, "--output_dir", tmp_path / "out", "--overwrite")
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"   # only the task files are replaced
     assert (tmp_path / "out" / "task.json").exists()
+    with pytest.raises(SystemExit, match="is a file"):
+        prepare("--input", src, "--output_dir", tmp_path / "out" / "notes.txt")
+    with pytest.raises(SystemExit, match=r"^error: cannot write to --output_dir .*notes.txt/sub: NotADirectoryError"):
+        prepare("--input", src, "--output_dir", tmp_path / "out" / "notes.txt" / "sub")
 
 
 # --- bad input ---------------------------------------------------------------------------------
