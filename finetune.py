@@ -28,9 +28,11 @@ import random
 import re
 import sys
 from contextlib import nullcontext
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow.parquet as pq
+import torch
 from tqdm import tqdm
 
 from fineweb import atomic_write
@@ -395,7 +397,156 @@ def print_summary(out_dir, task):
           f"{task['cut']} cut from the left, {dropped.get('too long', 0)} dropped")
 
 # -----------------------------------------------------------------------------
-# 4. Task accuracy: greedy answers, scored
+# 4. Training on a task folder (train_gpt2.py reads it through these): packed rows, and the defaults
+
+# Examples, each a prompt and its answer whose tokens alone are targets, are packed whole into rows of T positions, several to a row and never split across rows;
+# positions restart at 0 for each example (GPT-2's are learned: the model must see an example as if it were alone)
+# and attention stays inside each (train_gpt2.packed_attention). A row's unused tail is padding: attended by nothing,
+# no target. train_gpt2.py's DataLoader does the same for pretraining shards, with blocks instead of examples.
+
+IGNORE = -100  # a target that counts for nothing: F.cross_entropy's ignore_index, transformers' label for it
+PICK_MULTIPLE = 1024  # pick_targets rounds up to this (train_gpt2.LOSS_CHUNK: whole chunks of the fused loss)
+
+class Packed(NamedTuple):  # how a batch of rows is packed, for GPT.forward(..., packed=)
+    positions: torch.Tensor  # (B, T): each example's positions, from 0
+    lengths: torch.Tensor  # (k,): the lengths of the examples and padding, in order, row after row (they sum to B*T)
+    picked: torch.Tensor  # (K,): where the targets are in the flattened rows (pick_targets)
+
+def pick_targets(y):
+    """The flat positions of y's targets, padded with one of its ignored positions to a multiple of PICK_MULTIPLE: only
+    these go through lm_head and the loss. (Their count changes every batch; rounded up, torch.compile sees a few
+    shapes, each compiled once, not a new one every step.)"""
+    flat = y.reshape(-1)
+    counted = (flat != IGNORE).nonzero().squeeze(1)
+    size = min(flat.numel(), -(-counted.numel() // PICK_MULTIPLE) * PICK_MULTIPLE)
+    filler = (flat == IGNORE).nonzero()[:1, 0].expand(size - counted.numel())
+    return torch.cat((counted, filler))
+
+def pack(order, lengths, T):
+    """Example indices, in the given order, cut into rows of at most T positions: the next example starts a new row
+    when it does not fit in this one (a greedy pass keeps the order, so a row holds examples adjacent in it)."""
+    rows, row, used = [], [], 0
+    for i in order:
+        if used + lengths[i] > T:
+            rows.append(row)
+            row, used = [], 0
+        row.append(int(i))
+        used += int(lengths[i])
+    return rows + [row] if row else rows
+
+class TaskLoader:
+    """Packed rows of a task folder's split, for training (shuffle: example order shuffled by the seed each epoch,
+    then packed) or validation (the examples in order: val_batches). Like DataLoader, all ranks walk the same stream of
+    rows and a micro-step takes the next world*B, rank r keeping rows r*B..(r+1)*B-1; the state is (epoch, row)."""
+
+    def __init__(self, data_dir, split, B, T, rank=0, world_size=1, seed=1337):
+        self.B, self.T, self.rank, self.world_size, self.seed = B, T, rank, world_size, seed
+        self.tokens, self.targets, self.examples = open_split(data_dir, split)
+        self.lengths = self.examples[:, 2] - self.examples[:, 0] - 1  # positions: inputs are an example's tokens but its last
+        if len(self.examples) and self.lengths.max() > T:
+            raise SystemExit(f"error: --data_dir {data_dir}: a {split} example fills {self.lengths.max()} positions, more than "
+                             f"--seq_len {T}: raise --seq_len, or prepare the data with finetune.py --max_len {T}")
+        summed = np.concatenate(([0], np.cumsum(self.targets, dtype=np.int64)))
+        self.n_targets = summed[self.examples[:, 2]] - summed[self.examples[:, 0]]  # per example
+        self.epoch, self.row = 0, 0
+        self._pack()
+
+    def _pack(self):  # a pure function of (seed, epoch), like DataLoader's orders
+        self.rows = pack(np.random.default_rng([self.seed, self.epoch]).permutation(len(self.examples)), self.lengths, self.T)
+
+    def rows_in_epochs(self, epochs):
+        return sum(len(pack(np.random.default_rng([self.seed, e]).permutation(len(self.examples)), self.lengths, self.T))
+                   for e in range(epochs))
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "row": self.row, "seed": self.seed, "examples": len(self.examples),
+                "tokens": len(self.tokens)}
+
+    def load_state_dict(self, state):
+        if [state.get(k) for k in ("seed", "examples", "tokens")] != [self.seed, len(self.examples), len(self.tokens)]:
+            raise SystemExit("error: the task data in --data_dir or the --seed differ from the checkpoint's; "
+                             "resuming would not continue the same data order")
+        self.epoch, self.row = state["epoch"], state["row"]
+        self._pack()
+
+    def _next_row(self):
+        while self.row == len(self.rows):
+            self.epoch, self.row = self.epoch + 1, 0
+            self._pack()
+        self.row += 1
+        return self.rows[self.row - 1]
+
+    def next_step(self, micro_steps):
+        """This rank's (x, y, Packed) for each micro-step of one optimizer step, and the number of targets in the whole
+        step, on all ranks: the loss is their mean, so every micro-batch's share is weighed by its own targets."""
+        rows = [self._next_row() for _ in range(micro_steps * self.world_size * self.B)]
+        n_targets = int(sum(self.n_targets[i] for row in rows for i in row))
+        mine = [rows[(m * self.world_size + self.rank) * self.B:][:self.B] for m in range(micro_steps)]
+        return [self.batch(r) for r in mine], n_targets
+
+    def val_batches(self):
+        """Every example of the split once, in order, this rank's rows (row i goes to rank i % world_size), B at a time."""
+        mine = pack(range(len(self.examples)), self.lengths, self.T)[self.rank::self.world_size]
+        return [self.batch(mine[i:i + self.B]) for i in range(0, len(mine), self.B)]
+
+    def batch(self, rows):
+        """x, y (B, T) and their Packed layout; y is IGNORE where a token is not a target, and on the padding."""
+        x = np.full((len(rows), self.T), EOT, dtype=np.int64)
+        y = np.full((len(rows), self.T), IGNORE, dtype=np.int64)
+        positions, lengths = np.zeros((len(rows), self.T), dtype=np.int64), []
+        for r, row in enumerate(rows):
+            at = 0
+            for i in row:
+                start, _, end = self.examples[i]
+                n = end - start - 1
+                x[r, at:at + n] = self.tokens[start:end - 1]
+                y[r, at:at + n] = np.where(self.targets[start + 1:end] > 0, self.tokens[start + 1:end].astype(np.int64), IGNORE)
+                positions[r, at:at + n] = np.arange(n)
+                lengths.append(n)
+                at += n
+            if at < self.T:  # the padding: one more "example" that nothing else sees
+                positions[r, at:] = np.arange(self.T - at)
+                lengths.append(self.T - at)
+        y = torch.from_numpy(y)
+        return torch.from_numpy(x), y, Packed(torch.from_numpy(positions), torch.tensor(lengths), pick_targets(y))
+
+# Fine-tuning (--data_dir a folder from finetune.py): its defaults, where the flag is not given (docs/finetuning.md):
+# rows as long as the longest example and about EXAMPLES_PER_STEP examples a step, so that an epoch is many steps;
+# a learning rate 20x lower for a pretrained model than for one from scratch; 5% of the steps warming up, then
+# cosine decay to a tenth; no HellaSwag or samples, but the task's own accuracy at each eval.
+EXAMPLES_PER_STEP = 16
+FINETUNE_ARGS = dict(epochs=3, hellaswag_interval=0, sample_interval=0, task_examples=200)
+FINETUNE_LR = {"scratch": 1e-3, "pretrained": 5e-5}
+
+def training_defaults(args, given, task, world_size):
+    """Fill in the fine-tuning defaults for the flags not given; --epochs sets --max_steps. Returns the line to print."""
+    if task["splits"]["train"]["examples"] == 0:
+        raise SystemExit(f"error: --data_dir {args.data_dir} holds no training examples")
+    vars(args).update({k: v for k, v in FINETUNE_ARGS.items() if k not in given})
+    train = task["splits"]["train"]
+    if "seq_len" not in given:  # rows as long as the longest example, rounded up to 64
+        args.seq_len = min(-(-train["longest"] // 64) * 64, args.block_size, 1024)
+    if "batch_size" not in given:  # rows per micro-step and rank
+        per_row = args.seq_len / (train["tokens"] / train["examples"] - 1)
+        args.batch_size = max(1, round(EXAMPLES_PER_STEP / per_row / world_size))
+    if "total_batch_size" not in given:
+        args.total_batch_size = args.batch_size * args.seq_len * world_size
+    if "max_lr" not in given:
+        args.max_lr = FINETUNE_LR["scratch" if args.init_from == "scratch" else "pretrained"]
+    args.min_lr = args.min_lr if "min_lr" in given else args.max_lr / 10
+    if "max_steps" not in given:
+        rows = TaskLoader(args.data_dir, "train", 1, args.seq_len, seed=args.seed).rows_in_epochs(args.epochs)
+        args.max_steps = max(1, -(-rows * args.seq_len // args.total_batch_size))
+    args.warmup_steps = args.warmup_steps if "warmup_steps" in given else max(1, args.max_steps // 20)
+    for flag in ("eval_interval", "checkpoint_interval"):
+        if flag not in given:
+            setattr(args, flag, max(1, args.max_steps // 10))
+    return (f"fine-tuning: {train['examples']} examples x {args.epochs} epochs = {args.max_steps} steps "
+            f"of {args.total_batch_size // args.seq_len} rows of {args.seq_len}; lr {args.max_lr:g} -> {args.min_lr:g}, "
+            f"warmup {args.warmup_steps}, eval every {args.eval_interval} (flags override these)")
+
+# -----------------------------------------------------------------------------
+# 5. Task accuracy: greedy answers, scored
 #
 # Val loss says how likely the right answers are; accuracy says how often the model gives them. Each prompt
 # is answered greedily (sample.answer: the KV cache, stopping at <|endoftext|>) and compared with the expected
@@ -431,7 +582,6 @@ def task_accuracy(model, examples, autocast=None, max_new_tokens=None, answer_re
     ranks (train_gpt2's world.Ranks): rank r answers examples r, r + world_size, ... and the counts are summed
     over the ranks; lockstep=True: every rank answers every example (a sharded model, whose every forward
     needs all the ranks)."""
-    import torch
     import sample
     if isinstance(examples, (str, os.PathLike)):
         task = read_task(examples)
@@ -458,7 +608,6 @@ def task_accuracy(model, examples, autocast=None, max_new_tokens=None, answer_re
 
 def evaluate(args):
     """--eval: a checkpoint (ours, or a Hugging Face-layout folder) answers --input's examples."""
-    import torch
     import train_gpt2
     from plumbing import cpu, speedups, world
     cpu.warm_up_vector_math()   # results independent of thread timing (see plumbing/cpu.py)
@@ -501,7 +650,7 @@ def evaluate(args):
     return accuracy
 
 # -----------------------------------------------------------------------------
-# 5. The offline demo's task
+# 6. The offline demo's task
 
 DEMO_DIR = "task_demo"
 # How train_gpt2.py trains the demo model (DEMO_ARGS' 4 layers, 128 wide) on it from scratch: one pass over the
@@ -554,7 +703,7 @@ def demo(args):
     return task
 
 # -----------------------------------------------------------------------------
-# 6. The command line
+# 7. The command line
 
 def parse_columns(text):
     """'prompt=question,completion=answer' -> {"prompt": "question", "completion": "answer"}."""

@@ -5,9 +5,10 @@ GPT-2 and its trainer, in one file, for CPUs first (and GPUs too).
     torchrun --nproc_per_node=2 train_gpt2.py         # data parallel on one machine (--shard full: FSDP2)
     mpirun -n 3 -ppn 1 python train_gpt2.py           # data parallel on three nodes (see README)
 
-Read it top to bottom: the model, the data loader, the learning rate schedule, checkpoints, the stages
-of a run, then main(), the training story. How the processes live on the machine (launchers, threads,
-Intel's libraries, memory, signals, safe files) is in plumbing/; generation is in sample.py.
+Read it top to bottom: the model, the learning rate schedule, checkpoints, the stages of a run, then main(),
+the training story. The data loaders are with the scripts that write the data (fineweb.py: pretraining shards;
+finetune.py: task examples, packed); how the processes live on the machine (launchers, threads, Intel's
+libraries, memory, signals, safe files) is in plumbing/; generation is in sample.py.
 """
 import argparse
 import glob
@@ -19,9 +20,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
-from typing import NamedTuple
 
-import numpy as np
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
@@ -31,7 +30,9 @@ import plumbing
 from plumbing import checkpoints, cpu, inputs, sharding, speedups, world
 from plumbing.checkpoints import append_log, checkpoint_path, list_checkpoints, load_checkpoint
 from plumbing.inputs import check_enough_tokens, find_shards, open_shard
-from tokenizer import EOT
+import finetune
+from fineweb import DataLoader, ValLoader
+from finetune import IGNORE, Packed, TaskLoader
 
 # -----------------------------------------------------------------------------
 # The model: GPT-2 exactly (pre-LayerNorm transformer, tanh GELU, learned positions, tied lm_head)
@@ -130,7 +131,6 @@ class Block(nn.Module):
 # A target of IGNORE (fine-tuning: a prompt token, padding) counts for nothing: N counts the others, and a
 # batch with none has loss 0 (not 0/0). GPT.forward drops such positions before they get here, when it can.
 LOSS_CHUNK = 1024  # positions per chunk: their fp32 logits take 1024 x 50304 x 4 bytes = 206 MB
-IGNORE = -100  # F.cross_entropy's ignore_index, and transformers' label for "not a target"
 
 def lm_head_loss(x, weight, targets):
     """F.cross_entropy(x @ weight.T, targets, ignore_index=IGNORE) for x (..., C) and targets (...), chunk by chunk,
@@ -284,195 +284,8 @@ CONV1D_WEIGHTS = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weigh
 PADDED_VOCAB_SIZE = 50304  # 50257 rounded up to a multiple of 128: friendlier matrix shapes
 
 # -----------------------------------------------------------------------------
-# Data: uint16 token shards (np.save), memory-mapped (plumbing/inputs.py opens them), shuffled deterministically
-
-class DataLoader:
-    """Cuts each shard into blocks of T+1 tokens (inputs and targets overlap by one) and serves
-    them in an order shuffled by the seed: shard order per epoch, block order per shard.
-
-    All ranks walk the same stream of blocks; each step the next world*B blocks are taken and
-    rank r keeps blocks r*B..(r+1)*B-1. So ranks never share data, and every block is used once
-    per epoch whatever the world size (a step may span two shards or two epochs). The position
-    in that stream is the loader's whole state: (epoch, shard index, block index)."""
-
-    def __init__(self, data_dir, split, B, T, rank=0, world_size=1, seed=1337):
-        self.B, self.T, self.rank, self.world_size, self.seed = B, T, rank, world_size, seed
-        self.files = find_shards(data_dir, split)
-        if not self.files:
-            raise SystemExit(f"error: no shards with '{split}' in their name in --data_dir {data_dir}")
-        self.shards = [open_shard(f) for f in self.files]
-        check_enough_tokens(self.shards, self.files, T, split)
-        self.epoch, self.shard, self.block = 0, 0, 0
-        self._load_orders()
-
-    def _load_orders(self):  # permutations are a pure function of (seed, epoch, shard): nothing else to store
-        rng = np.random.default_rng([self.seed, self.epoch])
-        self.shard_order = rng.permutation(len(self.shards))
-        n_blocks = (len(self.shards[self.shard_order[self.shard]]) - 1) // self.T
-        rng = np.random.default_rng([self.seed, self.epoch, int(self.shard_order[self.shard])])
-        self.block_order = rng.permutation(n_blocks)
-
-    def state_dict(self):
-        return {"epoch": self.epoch, "shard": self.shard, "block": self.block, "seed": self.seed,
-                "files": [os.path.basename(f) for f in self.files]}
-
-    def load_state_dict(self, state):
-        if state["files"] != [os.path.basename(f) for f in self.files] or state["seed"] != self.seed:
-            raise SystemExit("error: the shards in --data_dir or the --seed differ from the checkpoint's; "
-                             "resuming would not continue the same data order")
-        self.epoch, self.shard, self.block = state["epoch"], state["shard"], state["block"]
-        self._load_orders()
-
-    def _next_block(self):
-        """Advance the stream by one block; return (shard array, start offset)."""
-        while self.block == len(self.block_order):  # while: a short shard may have no block at all
-            self.block, self.shard = 0, self.shard + 1
-            if self.shard == len(self.shards):
-                self.shard, self.epoch = 0, self.epoch + 1
-            self._load_orders()
-        tokens = self.shards[self.shard_order[self.shard]]
-        start = int(self.block_order[self.block]) * self.T
-        self.block += 1
-        return tokens, start
-
-    def next_step(self, micro_steps):
-        """This rank's (x, y, None) for each micro-step of one optimizer step (TaskLoader's interface), and None: every
-        position is a target here, so the step's mean loss is the mean of its micro-batches' means."""
-        return [(*self.next_batch(), None) for _ in range(micro_steps)], None
-
-    def next_batch(self):
-        rows = []
-        for i in range(self.world_size * self.B):
-            tokens, start = self._next_block()
-            if i // self.B == self.rank:  # only this rank's blocks are read from disk
-                rows.append(np.asarray(tokens[start:start + self.T + 1], dtype=np.int64))
-        buf = torch.from_numpy(np.stack(rows))
-        return buf[:, :-1].contiguous(), buf[:, 1:].contiguous()  # inputs, and targets shifted by one
-
-class ValLoader:
-    """The first val_tokens//T blocks of the val shards, in order, this rank's share (block i goes
-    to rank i % world_size), in batches of at most B. Which tokens are scored does not depend on
-    B or the world size, so val losses compare across runs."""
-
-    def __init__(self, data_dir, T, val_tokens, B, rank=0, world_size=1):
-        shards = [open_shard(f) for f in find_shards(data_dir, "val")]
-        blocks = [(s, i * T) for s in shards for i in range((len(s) - 1) // T)][:max(1, val_tokens // T)]
-        self.mine, self.T, self.B = blocks[rank::world_size], T, B
-
-    def __iter__(self):
-        for i in range(0, len(self.mine), self.B):
-            rows = [np.asarray(s[o:o + self.T + 1], dtype=np.int64) for s, o in self.mine[i:i + self.B]]
-            buf = torch.from_numpy(np.stack(rows))
-            yield buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
-
-# Fine-tuning data (a folder from finetune.py): examples, each a prompt and its answer, whose targets are only the
-# answer's tokens. They are packed whole into rows of T positions, several to a row and never split across rows;
-# positions restart at 0 for each example (GPT-2's are learned: the model must see an example as if it were alone)
-# and attention stays inside each (packed_attention). A row's unused tail is padding: attended by nothing, no target.
-
-class Packed(NamedTuple):
-    positions: torch.Tensor  # (B, T): each example's positions, from 0
-    lengths: torch.Tensor  # (k,): the lengths of the examples and padding, in order, row after row (they sum to B*T)
-    picked: torch.Tensor  # (K,): where the targets are in the flattened rows (pick_targets)
-
-def pick_targets(y):
-    """The flat positions of y's targets, padded with one of its ignored positions to a multiple of LOSS_CHUNK: only
-    these go through lm_head and the loss. (Their count changes every batch; rounded up, torch.compile sees a few
-    shapes, each compiled once, not a new one every step.)"""
-    flat = y.reshape(-1)
-    counted = (flat != IGNORE).nonzero().squeeze(1)
-    size = min(flat.numel(), -(-counted.numel() // LOSS_CHUNK) * LOSS_CHUNK)
-    filler = (flat == IGNORE).nonzero()[:1, 0].expand(size - counted.numel())
-    return torch.cat((counted, filler))
-
-def pack(order, lengths, T):
-    """Example indices, in the given order, cut into rows of at most T positions: the next example starts a new row
-    when it does not fit in this one (a greedy pass keeps the order, so a row holds examples adjacent in it)."""
-    rows, row, used = [], [], 0
-    for i in order:
-        if used + lengths[i] > T:
-            rows.append(row)
-            row, used = [], 0
-        row.append(int(i))
-        used += int(lengths[i])
-    return rows + [row] if row else rows
-
-class TaskLoader:
-    """Packed rows of a task folder's split, for training (shuffle: example order shuffled by the seed each epoch,
-    then packed) or validation (the examples in order: val_batches). Like DataLoader, all ranks walk the same stream of
-    rows and a micro-step takes the next world*B, rank r keeping rows r*B..(r+1)*B-1; the state is (epoch, row)."""
-
-    def __init__(self, data_dir, split, B, T, rank=0, world_size=1, seed=1337):
-        import finetune
-        self.B, self.T, self.rank, self.world_size, self.seed = B, T, rank, world_size, seed
-        self.tokens, self.targets, self.examples = finetune.open_split(data_dir, split)
-        self.lengths = self.examples[:, 2] - self.examples[:, 0] - 1  # positions: inputs are an example's tokens but its last
-        if len(self.examples) and self.lengths.max() > T:
-            raise SystemExit(f"error: --data_dir {data_dir}: a {split} example fills {self.lengths.max()} positions, more than "
-                             f"--seq_len {T}: raise --seq_len, or prepare the data with finetune.py --max_len {T}")
-        summed = np.concatenate(([0], np.cumsum(self.targets, dtype=np.int64)))
-        self.n_targets = summed[self.examples[:, 2]] - summed[self.examples[:, 0]]  # per example
-        self.epoch, self.row = 0, 0
-        self._pack()
-
-    def _pack(self):  # a pure function of (seed, epoch), like DataLoader's orders
-        self.rows = pack(np.random.default_rng([self.seed, self.epoch]).permutation(len(self.examples)), self.lengths, self.T)
-
-    def rows_in_epochs(self, epochs):
-        return sum(len(pack(np.random.default_rng([self.seed, e]).permutation(len(self.examples)), self.lengths, self.T))
-                   for e in range(epochs))
-
-    def state_dict(self):
-        return {"epoch": self.epoch, "row": self.row, "seed": self.seed, "examples": len(self.examples),
-                "tokens": len(self.tokens)}
-
-    def load_state_dict(self, state):
-        if [state.get(k) for k in ("seed", "examples", "tokens")] != [self.seed, len(self.examples), len(self.tokens)]:
-            raise SystemExit("error: the task data in --data_dir or the --seed differ from the checkpoint's; "
-                             "resuming would not continue the same data order")
-        self.epoch, self.row = state["epoch"], state["row"]
-        self._pack()
-
-    def _next_row(self):
-        while self.row == len(self.rows):
-            self.epoch, self.row = self.epoch + 1, 0
-            self._pack()
-        self.row += 1
-        return self.rows[self.row - 1]
-
-    def next_step(self, micro_steps):
-        """This rank's (x, y, Packed) for each micro-step of one optimizer step, and the number of targets in the whole
-        step, on all ranks: the loss is their mean, so every micro-batch's share is weighed by its own targets."""
-        rows = [self._next_row() for _ in range(micro_steps * self.world_size * self.B)]
-        n_targets = int(sum(self.n_targets[i] for row in rows for i in row))
-        mine = [rows[(m * self.world_size + self.rank) * self.B:][:self.B] for m in range(micro_steps)]
-        return [self.batch(r) for r in mine], n_targets
-
-    def val_batches(self):
-        """Every example of the split once, in order, this rank's rows (row i goes to rank i % world_size), B at a time."""
-        mine = pack(range(len(self.examples)), self.lengths, self.T)[self.rank::self.world_size]
-        return [self.batch(mine[i:i + self.B]) for i in range(0, len(mine), self.B)]
-
-    def batch(self, rows):
-        """x, y (B, T) and their Packed layout; y is IGNORE where a token is not a target, and on the padding."""
-        x = np.full((len(rows), self.T), EOT, dtype=np.int64)
-        y = np.full((len(rows), self.T), IGNORE, dtype=np.int64)
-        positions, lengths = np.zeros((len(rows), self.T), dtype=np.int64), []
-        for r, row in enumerate(rows):
-            at = 0
-            for i in row:
-                start, _, end = self.examples[i]
-                n = end - start - 1
-                x[r, at:at + n] = self.tokens[start:end - 1]
-                y[r, at:at + n] = np.where(self.targets[start + 1:end] > 0, self.tokens[start + 1:end].astype(np.int64), IGNORE)
-                positions[r, at:at + n] = np.arange(n)
-                lengths.append(n)
-                at += n
-            if at < self.T:  # the padding: one more "example" that nothing else sees
-                positions[r, at:] = np.arange(self.T - at)
-                lengths.append(self.T - at)
-        y = torch.from_numpy(y)
-        return torch.from_numpy(x), y, Packed(torch.from_numpy(positions), torch.tensor(lengths), pick_targets(y))
+# Data. Each data script writes its shards and reads them back: fineweb.DataLoader cuts pretraining shards into
+# blocks of T+1 tokens (ValLoader: the val blocks); finetune.TaskLoader packs a task's examples into rows of T.
 
 # -----------------------------------------------------------------------------
 # Learning rate: linear warmup, then cosine decay to min_lr (build-nanogpt's get_lr)
@@ -552,10 +365,8 @@ def build_parser(defaults=True):
     return p
 
 # The demo: a small GPT on the Python standard library's own source, which every machine with Python has.
-# Sized for a CPU without native bf16 (fp32 there): its lm_head (50304 x 128) is most of its FLOPs, so it is
-# 128 wide. End to end, tokenizing included, on 2 cores: 68-72 s on AVX2 in fp32 (an AMD EPYC limited to it),
-# 50-55 s on AVX512-BF16 in bf16; final val loss 3.84. Eager: a cold torch.compile costs more than its faster
-# steps save in 60 of them (AVX2, fp32: 100 s compiled cold, 74 s with its kernels cached, 69 s eager).
+# 128 wide for a CPU without native bf16 (fp32): its lm_head (50304 x 128) is most of its FLOPs. Eager: a cold
+# torch.compile costs more than it saves in 60 steps. Measured end to end, and why: docs/training.md.
 DEMO_ARGS = dict(n_layer=4, n_head=4, n_embd=128, block_size=256, seq_len=256, batch_size=8,
                  total_batch_size=2048, max_steps=60, warmup_steps=10, max_lr=3e-3, min_lr=3e-4,
                  eval_interval=30, val_tokens=32768, sample_interval=60, hellaswag_interval=0,
@@ -568,36 +379,6 @@ def print_next_steps(args, ranks):
                  f"  python sample.py --ckpt_path {ckpt} --prompt 'def '   # what it learned to write\n"
                  f"  jupyter notebook play.ipynb    # the loss curves (set log_dir = \"{args.log_dir}\" in its first cell)\n"
                  f"  python fineweb.py, then python train_gpt2.py    # the real thing: GPT-2 (124M) on FineWeb-Edu")
-
-# Fine-tuning (--data_dir a folder from finetune.py): its defaults, where the flag is not given. Measured on the
-# synthetic demo task and on held-out task data, 2 cores (docs/finetuning.md): short rows (the longest example's
-# length, so a step holds a few dozen examples and an epoch is many steps), a learning rate 10x lower for a
-# pretrained model than for one from scratch, 5% of the steps warming up, then cosine decay to a tenth.
-FINETUNE_ARGS = dict(batch_size=8, epochs=3, hellaswag_interval=0, sample_interval=0, task_examples=200)
-FINETUNE_LR = {"scratch": 1e-3, "pretrained": 1e-4}
-
-def finetune_args(args, given, task, world_size):
-    """Fill in the fine-tuning defaults for the flags not given; --epochs sets --max_steps. Returns the line to print."""
-    if task["splits"]["train"]["examples"] == 0:
-        raise SystemExit(f"error: --data_dir {args.data_dir} holds no training examples")
-    vars(args).update({k: v for k, v in FINETUNE_ARGS.items() if k not in given})
-    if "seq_len" not in given:  # rows as long as the longest example, rounded up to 64
-        args.seq_len = min(-(-task["splits"]["train"]["longest"] // 64) * 64, args.block_size, 1024)
-    if "total_batch_size" not in given:
-        args.total_batch_size = args.batch_size * args.seq_len * world_size
-    if "max_lr" not in given:
-        args.max_lr = FINETUNE_LR["scratch" if args.init_from == "scratch" else "pretrained"]
-    args.min_lr = args.min_lr if "min_lr" in given else args.max_lr / 10
-    if "max_steps" not in given:
-        rows = TaskLoader(args.data_dir, "train", 1, args.seq_len, seed=args.seed).rows_in_epochs(args.epochs)
-        args.max_steps = max(1, -(-rows * args.seq_len // args.total_batch_size))
-    args.warmup_steps = args.warmup_steps if "warmup_steps" in given else max(1, args.max_steps // 20)
-    for flag in ("eval_interval", "checkpoint_interval"):
-        if flag not in given:
-            setattr(args, flag, max(1, args.max_steps // 10))
-    return (f"fine-tuning: {task['splits']['train']['examples']} examples x {args.epochs} epochs = {args.max_steps} steps "
-            f"of {args.total_batch_size // args.seq_len} rows of {args.seq_len}; lr {args.max_lr:g} -> {args.min_lr:g}, "
-            f"warmup {args.warmup_steps}, eval every {args.eval_interval} (flags override these)")
 
 # -----------------------------------------------------------------------------
 # The stages of a run. main() at the bottom tells the story; each stage is one function here, and they
@@ -613,14 +394,14 @@ class Run:
     """What travels from stage to stage. Fixed when the run starts: the arguments (resolved once, by resolve_args,
     and never written after), this rank (ranks), the task when the data is a finetune.py folder, whether the run is
     sharded, the gradient accumulation steps. Then filled by main() with what each stage returns, in its order: the
-    data loader and the lock on --log_dir, the device, dtype and IPEX, the model, the optimizer and the wrapped model."""
+    data loader, HellaSwag's examples (None: not measured) and the lock on --log_dir, the device, dtype and IPEX, the
+    model, the optimizer and the wrapped model."""
 
     def __init__(self, args, ranks, task):
         self.args, self.ranks, self.task = args, ranks, task
         self.sharded = args.shard == "full" and ranks.world_size > 1  # FSDP2: decided here, and only here
         self.grad_accum_steps = args.total_batch_size // (args.batch_size * args.seq_len * ranks.world_size)
-        self.train_loader = self.lock = self.device_type = self.dtype = self.autocast = self.ipex = None
-        self.hellaswag = None  # HellaSwag's examples, when it is measured during training
+        self.train_loader = self.hellaswag = self.lock = self.device_type = self.dtype = self.autocast = self.ipex = None
         self.raw_model = self.model = self.optimizer = None  # raw_model: the plain GPT; model: what trains
         self.compiled, self.flops_per_token, self.matmul_rate = False, 0, None
 
@@ -665,10 +446,9 @@ def resolve_args(argv, ranks):
             ranks.print0(f"no shards in {args.data_dir}/ (run fineweb.py to make them): running the demo instead")
         vars(args).update({k: v for k, v in DEMO_ARGS.items() if k not in given})
         args.demo, args.data_dir = True, plumbing.cache_dir("demo")
-    import finetune
     task = finetune.read_task(args.data_dir)  # a finetune.py folder, or None: pretraining shards
     if task is not None and saved_args is None:
-        ranks.print0(finetune_args(args, given, task, ranks.world_size))
+        ranks.print0(finetune.training_defaults(args, given, task, ranks.world_size))
     if task is None and args.epochs is not None:
         raise SystemExit(f"error: --epochs is for task data (a finetune.py folder); {args.data_dir} holds pretraining "
                          "shards: use --max_steps")
@@ -717,10 +497,10 @@ def open_data_and_lock_log_dir(run):
     if has_run and not args.resume and not args.overwrite:
         raise SystemExit(f"error: --log_dir {args.log_dir} already holds a run; continue it with --resume, "
                          "choose another --log_dir, or pass --overwrite to replace it")
-    hellaswag_examples = None
+    hellaswag_examples = None  # no data (no network, say) is no reason not to train: it is just not measured
     if args.hellaswag_interval > 0 and run.sharded:  # batches differ by rank: no lock-step all-gathers
         ranks.print0("warning: no HellaSwag during sharded training: run hellaswag.py -m on a checkpoint")
-    elif args.hellaswag_interval > 0:  # no data (no network, say) is no reason not to train: it is just not measured
+    elif args.hellaswag_interval > 0:
         import hellaswag
         hellaswag_examples = hellaswag.examples_for_training(args.hellaswag_dir, ranks)
     lock = checkpoints.lock_folder(args.log_dir) if ranks.master else None  # one run per folder; also: writable?
@@ -733,8 +513,7 @@ def set_up_machine(run):
     ranks.device = world.pick_device(args.device, ranks.local_rank, ranks.world_size)
     device_type = ranks.device.split(":")[0]
     ipex = speedups.find_ipex(args.ipex, device_type)
-    if ranks.world_size > 1:
-        # oneCCL when Intel's bindings are installed (the fastest all-reduce across Xeon nodes), else gloo on CPU
+    if ranks.world_size > 1:  # oneCCL when Intel's bindings are installed (fastest across Xeon nodes), else gloo on CPU
         backend = world.choose_backend(args.backend, device_type)
         where = world.init_process_group(backend, ranks.rank, ranks.world_size, ranks.local_world,
                                            ranks.launcher, args.dist_timeout)
@@ -844,7 +623,6 @@ def evaluate(run, step, due):
         ranks.print0(f"validation loss: {val_loss:.4f}")
         append_log(args.log_dir, ranks, f"{step} val {val_loss:.4f}")
         if run.task is not None and run.task["splits"]["val"]["examples"] > 0:  # do the answers come out right?
-            import finetune
             n = min(args.task_examples, run.task["splits"]["val"]["examples"])
             acc, _ = finetune.task_accuracy(model, args.data_dir, run.autocast, n=n, ranks=ranks,
                                             lockstep=run.sharded)  # (sharded: every rank answers every example)
@@ -854,9 +632,8 @@ def evaluate(run, step, due):
         import hellaswag
         acc = hellaswag.accuracy_during_training(model, run.hellaswag, ranks, run.dtype, args.batch_size)
         append_log(args.log_dir, ranks, f"{step} hella {acc:.4f}")
-    # (sharded, every rank generates alongside rank 0, to join the all-gathers of every forward)
     if due(args.sample_interval) and (step > 0 or step == args.max_steps) and (ranks.master or run.sharded):
-        import sample
+        import sample  # (sharded, every rank generates alongside rank 0, to join the all-gathers of every forward)
         sample.print_samples(model, ranks, run.autocast)
     return val_loss
 
@@ -879,8 +656,8 @@ def save_checkpoint(run, step, val_loss, evaluated=True):
         state["checksums"] = checkpoints.tensor_checksums(state)  # verified by load_checkpoint
         checkpoints.atomic_save(state, checkpoint_path(args.log_dir, step))
 
-def to_device(packed, device):
-    return Packed(packed.positions.to(device), packed.lengths, packed.picked.to(device))  # (packed_attention reads lengths)
+def to_device(packed, device):  # (lengths stay where packed_attention reads them)
+    return Packed(packed.positions.to(device), packed.lengths, packed.picked.to(device))
 
 def train_step(run, step):
     """One optimizer step over total_batch_size tokens: grad_accum_steps micro-batches on every rank.
@@ -901,11 +678,9 @@ def train_step(run, step):
                 _, loss = model(x, y, packed=packed)
             # the gradient of the step's mean loss over all its targets. Pretraining: all micro-batches hold as many,
             # so it is the mean of their means. Task data: each micro-batch's mean weighs by its share of the step's
-            # targets, times the world size, as DDP and FSDP average the ranks' gradients (a mean over transformers#34191)
-            if n_targets is None:
-                loss = loss / run.grad_accum_steps
-            else:
-                loss = loss * (int((y != IGNORE).sum()) * ranks.world_size / max(n_targets, 1))
+            # targets, times the world size, as DDP and FSDP average the ranks' gradients (not transformers#34191)
+            loss = loss / run.grad_accum_steps if n_targets is None else loss * (
+                int((y != IGNORE).sum()) * ranks.world_size / max(n_targets, 1))
             loss_accum += loss.detach()
             loss.backward()
     ranks.all_reduce_sum(loss_accum)

@@ -12,7 +12,8 @@ from torch.nn import functional as F
 import finetune
 import train_gpt2
 from conftest import TINY_MODEL, read_log, run_train
-from train_gpt2 import GPT, IGNORE, GPTConfig, Packed, TaskLoader, pack, pick_targets
+from finetune import IGNORE, Packed, TaskLoader, pack, pick_targets
+from train_gpt2 import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -159,7 +160,7 @@ def test_packed_attention_equals_a_block_diagonal_mask():
 
 
 def test_pick_targets_rounds_up_with_ignored_positions(monkeypatch):
-    monkeypatch.setattr(train_gpt2, "LOSS_CHUNK", 4)
+    monkeypatch.setattr(finetune, "PICK_MULTIPLE", 4)
     y = torch.tensor([[IGNORE, 5, 6, IGNORE, 7, IGNORE], [IGNORE] * 6])
     picked = pick_targets(y)
     assert picked.tolist() == [1, 2, 4, 0]  # 3 targets, then an ignored position up to 4
