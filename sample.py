@@ -56,6 +56,11 @@ class KVCache:
         self.v[layer][:, :, self.pos:self.pos + T] = v
         return self.k[layer][:, :, :self.pos + T], self.v[layer][:, :, :self.pos + T]
 
+    def keep(self, rows):
+        """From now on only these batch rows (a 1-D index tensor): the others are done (answers)."""
+        self.k = [k.index_select(0, rows) for k in self.k]
+        self.v = [v.index_select(0, rows) for v in self.v]
+
 
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
@@ -103,6 +108,71 @@ def answer(model, ids, max_new_tokens):
         if len(new) == room:  # done: stop before generate runs one more forward for a token we won't take
             break
     return new
+
+
+# Many answers at once (task accuracy): one forward per new token serves a whole batch of prompts. Prompts
+# differ in length, but each step must take every row's next token from the same column, so the rows are
+# left-padded to the longest: all prompts end in the last column. The padding must change nothing: each row's
+# positions start at 0 at its first real token (GPT-2's positions are learned: a prompt at positions 5.. would
+# be another input), and an attention mask keeps every query away from the padding keys.
+
+def answers(model, prompts, max_new_tokens, batch_size=64, progress=None):
+    """[answer(model, ids, n) for each prompt] (a list of token id lists), batch_size prompts per forward;
+    max_new_tokens: one for all, or a list of one per prompt. progress: a tqdm bar, advanced by each batch.
+    Prompts of similar lengths share a batch (sorted by length: little padding); answers come in input order.
+    The same tokens as answer's: a batch changes only the float rounding of its sums, which could flip only
+    a near-tie of two tokens' logits (as bf16 or another CPU could)."""
+    if isinstance(max_new_tokens, int):
+        max_new_tokens = [max_new_tokens] * len(prompts)
+    if len(max_new_tokens) != len(prompts) or not all(prompts):
+        raise ValueError("answers: one max_new_tokens per prompt, and no empty prompt (nothing to continue)")
+    rooms = [min(n, model.config.block_size - len(ids)) for ids, n in zip(prompts, max_new_tokens)]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    results = [[] for _ in prompts]
+    for start in range(0, len(order), batch_size):
+        batch = [i for i in order[start:start + batch_size] if rooms[i] > 0]
+        if batch:
+            for i, new in zip(batch, greedy_batch(model, [prompts[i] for i in batch], [rooms[i] for i in batch])):
+                results[i] = new
+        if progress is not None:
+            progress.update(len(order[start:start + batch_size]))
+    return results
+
+
+@torch.no_grad()
+def greedy_batch(model, prompts, rooms):
+    """The greedy answers to one batch of prompts, each up to <|endoftext|> or its room (>= 1) of tokens."""
+    device = next(model.parameters()).device
+    P = max(map(len, prompts))
+    pads = torch.tensor([P - len(ids) for ids in prompts], device=device)[:, None]  # (B, 1)
+    idx = torch.tensor([[tokenizer.EOT] * (P - len(ids)) + list(ids) for ids in prompts], device=device)
+    # cache slot s of row b holds its position s - pads[b]; the slots before pads[b] are padding. A row feeds
+    # at most room - 1 tokens after its prompt (its last one is never fed back)
+    slots = torch.arange(P + max(rooms) - 1, device=device)
+    kv_cache = KVCache(model.config.n_layer, len(slots))
+    causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
+    # a padding query sees itself: a mask row with no key at all gives 0 in PyTorch's CPU attention but NaN in
+    # some other kernels, and a NaN would spread to the real rows (weight 0 x NaN). Nobody reads padding's output
+    mask = causal & (slots[:P] >= pads)[:, None, :] | torch.eye(P, dtype=torch.bool, device=device)
+    logits, _ = model(idx, kv_cache=kv_cache, positions=(slots[:P] - pads).clamp(min=0), attn_mask=mask[:, None])
+    rows, new = list(range(len(prompts))), [[] for _ in prompts]  # rows: which prompts the batch still answers
+    while True:
+        next_ids = logits[:, -1, :tokenizer.VOCAB_SIZE].argmax(dim=-1)  # padded vocab ids are never picked
+        going = []
+        for j, (row, token) in enumerate(zip(rows, next_ids.tolist())):
+            if token != tokenizer.EOT:
+                new[row].append(token)
+                if len(new[row]) < rooms[row]:
+                    going.append(j)
+        if not going:
+            return new
+        if len(going) < len(rows):  # the rows that are done leave the batch, and the cache
+            keep = torch.tensor(going, device=device)
+            kv_cache.keep(keep)
+            pads, next_ids, rows = pads[keep], next_ids[keep], [rows[j] for j in going]
+        pos = kv_cache.pos  # the new tokens' slot: they see every real key before it, and themselves
+        logits, _ = model(next_ids[:, None], kv_cache=kv_cache, positions=pos - pads,
+                          attn_mask=(slots[:pos + 1] >= pads)[:, None, None, :])
 
 
 def print_samples(model, ranks, autocast):

@@ -233,3 +233,72 @@ def test_answer_stops_at_eot():
     got = sample.answer(model, prompt, 30)
     assert got == free[:k]  # everything before, and not the <|endoftext|>
     assert greedy_reference(model, prompt, 30) == got
+
+
+# -----------------------------------------------------------------------------
+# answers(): many prompts a batch at a time, left-padded, as task accuracy asks them
+
+def eot_instead_of(model, token):
+    """Make <|endoftext|> the greedy pick wherever token was, and only there, in a model whose hidden state is 1
+    in dimension 0 everywhere: <|endoftext|>'s lm_head row becomes token's plus 1e-3 in that dimension, so its
+    logit is always token's + 1e-3."""
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.EOT] = model.lm_head.weight[token]
+        model.lm_head.weight[tokenizer.EOT, 0] += 1e-3
+
+
+def test_answers_equal_answer_one_prompt_at_a_time():
+    """Prompts from 1 to 60 tokens (context 48), each with its own max_new_tokens, in batches of 4 and all in one:
+    every answer is answer()'s and the no-cache loop's, in the order given; the rows stop at <|endoftext|> at
+    known steps, at their max_new_tokens, at the context's end, or have no room at all."""
+    model = varied_model()
+    with torch.no_grad():  # the hidden state's dimension 0: 1 everywhere, for eot_instead_of
+        model.transformer.ln_f.weight[0], model.transformer.ln_f.bias[0] = 0.0, 1.0
+    g = torch.Generator().manual_seed(1)
+    lengths = [30, 1, 47, 12, 3, 46, 20, 48, 2, 60, 25, 8, 40, 5, 17, 33]
+    prompts = [torch.randint(0, tokenizer.VOCAB_SIZE, (n,), generator=g).tolist() for n in lengths]
+    limits = [40, 25, 5, 25, 25, 100, 3, 5, 25, 5, 25, 0, 30, 25, 25, 25]
+    free = [greedy_reference(model, ids, n) for ids, n in zip(prompts, limits)]
+    # the stopping token: one that greedy picks, for the first time, at some step > 0 in several answers
+    firsts = [(a.index(t), t) for a in free for t in set(a)]
+    stop = max(set(t for _, t in firsts), key=lambda t: sum(k > 0 for k, u in firsts if u == t))
+    eot_instead_of(model, stop)
+    expected = [a[:a.index(stop)] if stop in a else a for a in free]
+    assert sum(stop in a for a in free) >= 3  # several rows end at <|endoftext|>, at different steps
+    assert len({len(e) for e, a in zip(expected, free) if stop in a}) >= 2
+    assert any(stop not in a and len(a) == n for a, n in zip(free, limits))  # some at max_new_tokens
+    assert any(stop not in a and len(ids) + len(a) == 48 and len(a) < n  # some at the context's end
+               for ids, a, n in zip(prompts, free, limits))
+    assert [greedy_reference(model, ids, n) for ids, n in zip(prompts, limits)] == expected
+    assert [sample.answer(model, ids, n) for ids, n in zip(prompts, limits)] == expected
+    for batch_size in (4, 64):
+        assert sample.answers(model, prompts, limits, batch_size=batch_size) == expected
+    assert sample.answers(model, prompts, 3, batch_size=5) == [sample.answer(model, ids, 3) for ids in prompts]
+
+
+def test_answers_batches_prompts_of_similar_lengths():
+    """Sorted by length into batches (little padding), one forward per new token for a whole batch, none after
+    its last row is done, and progress advanced by each batch's prompts."""
+    model = varied_model()
+    g = torch.Generator().manual_seed(2)
+    lengths = [9, 2, 30, 5, 14, 3, 21]
+    prompts = [torch.randint(0, tokenizer.VOCAB_SIZE, (n,), generator=g).tolist() for n in lengths]
+    limits = [6, 2, 4, 9, 1, 3, 5]
+    forwards = []
+    hook = model.register_forward_pre_hook(
+        lambda m, args, kwargs: forwards.append((kwargs["kv_cache"].pos, tuple(args[0].shape))), with_kwargs=True)
+
+    class Progress:
+        def update(self, n):
+            steps.append(n)
+    steps = []
+    got = sample.answers(model, prompts, limits, batch_size=3, progress=Progress())
+    hook.remove()
+    assert got == [sample.answer(model, ids, n) for ids, n in zip(prompts, limits)]
+    assert all(len(a) == n for a, n in zip(got, limits))  # no <|endoftext|> here: max_new_tokens ends each row
+    prefills = [shape for pos, shape in forwards if pos == 0]
+    assert prefills == [(3, 5), (3, 21), (1, 30)]  # lengths 2 3 5 | 9 14 21 | 30, left-padded to the longest
+    assert len(forwards) == 9 + 6 + 4  # one per token of each batch's longest answer (limits 2 3 9 | 6 1 5 | 4)
+    assert steps == [3, 3, 1]
+    with pytest.raises(ValueError):
+        sample.answers(model, prompts, [1, 2])
