@@ -5,7 +5,7 @@ and how many of a fine-tuned model's answers are right.
     python finetune.py --input train.jsonl --output_dir my_task          # 10% of the examples (<= 200) for val
     python finetune.py --input openai/gsm8k --hf_config main --columns prompt=question,completion=answer \\
                        --answer_regex '#### (.*)' --output_dir gsm8k      # a Hugging Face dataset, streamed
-    python finetune.py --demo                                            # a synthetic task, no network
+    python finetune.py --demo                                            # a synthetic task, trained on, offline
     python finetune.py --eval --ckpt_path log/model_00300.pt --input val.jsonl   # the share of right answers
 
 One example per line (.jsonl) or row (.parquet, a dataset), its format told by its keys:
@@ -412,6 +412,9 @@ class Packed(NamedTuple):  # how a batch of rows is packed, for GPT.forward(...,
     lengths: torch.Tensor  # (k,): the lengths of the examples and padding, in order, row after row (they sum to B*T)
     picked: torch.Tensor  # (K,): where the targets are in the flattened rows (pick_targets)
 
+    def to(self, device):  # (lengths stay on the CPU, where packed_attention reads them)
+        return Packed(self.positions.to(device), self.lengths, self.picked.to(device))
+
 def pick_targets(y):
     """The flat positions of y's targets, padded with one of its ignored positions to a multiple of PICK_MULTIPLE: only
     these go through lm_head and the loss. (Their count changes every batch; rounded up, torch.compile sees a few
@@ -549,9 +552,9 @@ def training_defaults(args, given, task, world_size):
 # 5. Task accuracy: greedy answers, scored
 #
 # Val loss says how likely the right answers are; accuracy says how often the model gives them. Each prompt
-# is answered greedily (sample.answer: the KV cache, stopping at <|endoftext|>) and compared with the expected
-# answer after collapsing whitespace, or, with an answer regex, only what its first group finds in each (for
-# GSM8K '#### (.*)': the final number, not the working before it).
+# is answered greedily (sample.answers: many prompts per forward, the KV cache, stopping at <|endoftext|>) and
+# compared with the expected answer after collapsing whitespace, or, with an answer regex, only what its first
+# group finds in each (for GSM8K '#### (.*)': the final number, not the working before it).
 
 def answer_key(text, answer_regex=None):
     """What is compared: the whole text, or the regex's first group in it (None: it found nothing)."""
@@ -593,13 +596,15 @@ def task_accuracy(model, examples, autocast=None, max_new_tokens=None, answer_re
     rank, world_size = (ranks.rank, ranks.world_size) if ranks is not None and not lockstep else (0, 1)
     mine, right, results = examples[rank::world_size], 0, []
     quiet = ranks is not None and not ranks.master
-    with torch.no_grad(), autocast or nullcontext():
-        for prompt, expected in tqdm(mine, desc="task accuracy", unit="ex", leave=False, disable=quiet):
-            n_expected = len(encode(expected))
-            limit = max_new_tokens or (2 * n_expected + 16 if answer_regex else n_expected + 8)
-            got = decode(sample.answer(model, list(prompt), limit))
-            right += is_right(got, expected, answer_regex)
-            results.append((decode(prompt), expected, got))
+    limits = [max_new_tokens or (2 * len(encode(expected)) + 16 if answer_regex else len(encode(expected)) + 8)
+              for _, expected in mine]
+    with torch.no_grad(), autocast or nullcontext(), \
+            tqdm(total=len(mine), desc="task accuracy", unit="ex", leave=False, disable=quiet) as progress:
+        answers = sample.answers(model, [list(prompt) for prompt, _ in mine], limits, progress=progress)
+    for (prompt, expected), ids in zip(mine, answers):
+        got = decode(ids)
+        right += is_right(got, expected, answer_regex)
+        results.append((decode(prompt), expected, got))
     counts = torch.tensor([right, len(mine)], dtype=torch.long, device=ranks.device if ranks else "cpu")
     if ranks is not None and not lockstep:
         ranks.all_reduce_sum(counts)
@@ -690,17 +695,28 @@ def make_demo_task(out_dir, n_train=20000, n_val=200, seed=1337):
     return tuple(paths)
 
 def demo(args):
-    """--demo: the synthetic task's jsonl files and its task folder, in --output_dir (default task_demo)."""
+    """--demo: the synthetic task's jsonl files and task folder in --output_dir (default task_demo), then the demo
+    model trained on it from scratch by train_gpt2.py, in this process; the accuracy before and after."""
+    import train_gpt2
+    from plumbing.checkpoints import list_checkpoints
     out_dir = args.output_dir or DEMO_DIR
     check_output_dir(out_dir, args.overwrite)
     train, val = make_demo_task(out_dir, seed=args.seed)
     # the folder now holds the two jsonl files: the task files go beside them
     vars(args).update(input=[train], val_input=[val], output_dir=out_dir, overwrite=True)
-    task = prepare(args)
-    flags = " ".join(f"--{k} {v}" for k, v in DEMO_TRAIN_ARGS.items())
-    print(f"next: python train_gpt2.py --data_dir {out_dir} --log_dir log_{os.path.basename(out_dir.rstrip(os.sep))} "
-          f"{flags} --no-compile")
-    return task
+    prepare(args)
+    log_dir = os.path.join(os.path.dirname(out_dir.rstrip(os.sep)), "log_" + os.path.basename(out_dir.rstrip(os.sep)))
+    argv = ["--data_dir", out_dir, "--log_dir", log_dir, *(f"--{k}={v}" for k, v in DEMO_TRAIN_ARGS.items()),
+            "--no-compile", "--overwrite"]
+    print(f"\ntraining: python train_gpt2.py {' '.join(argv)}", flush=True)
+    train_gpt2.main(argv)
+    with open(os.path.join(log_dir, "log.txt")) as f:
+        accuracy = [line.split() for line in f if line.split()[1:2] == ["task"]]
+    ckpt = list_checkpoints(log_dir)[-1]
+    print(f"\ndemo finished: task accuracy {float(accuracy[0][2]):.2f} at step {accuracy[0][0]} -> "
+          f"{float(accuracy[-1][2]):.2f} at step {accuracy[-1][0]} ({len(accuracy)} evals in {log_dir}/log.txt). Next:\n"
+          f"  python sample.py --ckpt_path {ckpt} --prompt 'Sort: 8 3 5 1 ->' --top_k 1   # ask it\n"
+          f"  python finetune.py --eval --ckpt_path {ckpt} --input {val}   # score it, with examples")
 
 # -----------------------------------------------------------------------------
 # 7. The command line
@@ -741,7 +757,8 @@ def parse_args(argv=None):
       "prompt=question,completion=answer (fields: " + ", ".join(FIELDS) + ")")
     a("--seed", type=int, default=1337, help="picks the val examples (default: %(default)s)")
     a("--overwrite", action="store_true", help="replace the task files in a non-empty --output_dir")
-    a("--demo", action="store_true", help="make a small synthetic task (no network) and prepare it")
+    a("--demo", action="store_true", help="make a small synthetic task (no network), prepare it, and train the demo "
+      "model on it")
     a("--eval", action="store_true", help="score --ckpt_path's answers to --input's examples")
     a("--ckpt_path", help="--eval: one of our checkpoints, or a Hugging Face-layout folder")
     a("--max_examples", type=int, help="--eval: only the first N examples")

@@ -32,7 +32,7 @@ from plumbing.checkpoints import append_log, checkpoint_path, list_checkpoints, 
 from plumbing.inputs import check_enough_tokens, find_shards, open_shard
 import finetune
 from fineweb import DataLoader, ValLoader
-from finetune import IGNORE, Packed, TaskLoader
+from finetune import IGNORE, TaskLoader
 
 # -----------------------------------------------------------------------------
 # The model: GPT-2 exactly (pre-LayerNorm transformer, tanh GELU, learned positions, tied lm_head)
@@ -233,14 +233,15 @@ class GPT(nn.Module):
             kv_cache.pos += T
         return self.transformer.ln_f(x)
 
-    def forward(self, idx, targets=None, kv_cache=None, packed=None):
-        """packed: a Packed batch (fine-tuning): positions restarting at each example, attention inside each example,
-        and targets of IGNORE that count for nothing, whose positions are dropped before the loss."""
-        if packed is not None:  # only the positions in packed.picked (the targets) go through lm_head
-            x = self.hidden(idx, packed.positions, lengths=packed.lengths)
-            picked = packed.picked
-            return None, lm_head_loss(x.view(-1, x.size(-1))[picked], self.lm_head.weight, targets.view(-1)[picked])
-        x = self.hidden(idx, kv_cache=kv_cache)
+    def forward(self, idx, targets=None, kv_cache=None, packed=None, positions=None, attn_mask=None):
+        """packed: a Packed batch (finetune.py's rows): positions restarting and attention staying inside each example,
+        and only the targets' positions (packed.picked) through lm_head. positions, attn_mask: see hidden (sample.answers
+        left-pads prompts in a batch). With a kv_cache (generation), the logits of the last position only."""
+        if packed is not None:
+            x = self.hidden(idx, packed.positions, lengths=packed.lengths).flatten(0, 1)[packed.picked]
+            return None, lm_head_loss(x, self.lm_head.weight, targets.flatten()[packed.picked])
+        x = self.hidden(idx, positions, attn_mask, kv_cache)
+        x = x[:, -1:] if kv_cache is not None else x
         # training and validation need only the loss: the logits are never all materialized (see lm_head_loss)
         return (self.lm_head(x), None) if targets is None else (None, lm_head_loss(x, self.lm_head.weight, targets))
 
@@ -616,7 +617,7 @@ def evaluate(run, step, due):
             for batch in val_batches(run):
                 x, y, packed = batch if batch is not None else (torch.zeros(1, args.seq_len, dtype=torch.long),) * 2 + (None,)
                 with run.autocast:
-                    _, loss = model(x.to(ranks.device), y.to(ranks.device), packed=packed and to_device(packed, ranks.device))
+                    _, loss = model(x.to(ranks.device), y.to(ranks.device), packed=packed and packed.to(ranks.device))
                 counted = int((y != IGNORE).sum()) * (batch is not None)
                 stats += torch.tensor([loss.item() * counted, counted], dtype=torch.float64, device=ranks.device)
         val_loss = (ranks.all_reduce_sum(stats)[0] / stats[1].clamp(min=1)).item()
@@ -656,9 +657,6 @@ def save_checkpoint(run, step, val_loss, evaluated=True):
         state["checksums"] = checkpoints.tensor_checksums(state)  # verified by load_checkpoint
         checkpoints.atomic_save(state, checkpoint_path(args.log_dir, step))
 
-def to_device(packed, device):  # (lengths stay where packed_attention reads them)
-    return Packed(packed.positions.to(device), packed.lengths, packed.picked.to(device))
-
 def train_step(run, step):
     """One optimizer step over total_batch_size tokens: grad_accum_steps micro-batches on every rank.
     Returns (mean loss, gradient norm, learning rate, whether the weights were updated)."""
@@ -668,7 +666,7 @@ def train_step(run, step):
     loss_accum = torch.zeros((), device=ranks.device)
     batches, n_targets = run.train_loader.next_step(run.grad_accum_steps)
     for micro_step, (x, y, packed) in enumerate(batches):
-        x, y, packed = x.to(ranks.device), y.to(ranks.device), packed and to_device(packed, ranks.device)
+        x, y, packed = x.to(ranks.device), y.to(ranks.device), packed and packed.to(ranks.device)
         # DDP all-reduces gradients during backward (FSDP reduce-scatters them); only the last micro-step needs that
         sync = micro_step == run.grad_accum_steps - 1 or ranks.world_size == 1
         if run.sharded:

@@ -470,8 +470,9 @@ def test_default_answer_length_comes_from_the_expected_answer(monkeypatch):
     """Room for a right answer: the expected answer's tokens + 8; with a regex, twice that + 16."""
     import sample
     model, asked = tiny_model(), []
-    real_answer = sample.answer
-    monkeypatch.setattr(sample, "answer", lambda m, ids, n: asked.append(n) or real_answer(m, ids, n))
+    real_answers = sample.answers
+    monkeypatch.setattr(sample, "answers", lambda m, prompts, limits, **kw: asked.extend(limits) or
+                        real_answers(m, prompts, limits, **kw))
     examples = [(enc("Q: a"), " one two three"), (enc("Q: b"), "x")]
     finetune.task_accuracy(model, examples)
     finetune.task_accuracy(model, examples, answer_regex="(.*)")
@@ -580,11 +581,17 @@ def test_demo_task_follows_its_rule_and_val_is_unseen(tmp_path):
     assert [open(p, "rb").read() for p in again] == [open(p, "rb").read() for p in (train, val)]
 
 
-def test_demo_prepares_its_folder_and_says_what_next(tmp_path, capsys):
+def test_demo_prepares_its_folder_trains_and_says_what_next(tmp_path, capsys, monkeypatch):
+    """The wiring only (2 steps): tests/test_finetune_train.py measures what the demo's training learns."""
+    monkeypatch.setattr(finetune, "DEMO_TRAIN_ARGS", {**finetune.DEMO_TRAIN_ARGS, "max_steps": 2, "eval_interval": 1,
+                                                      "task_examples": 4, "threads": 1})
     out = tmp_path / "demo"
-    task = finetune.main(["--demo", "--output_dir", str(out)])
-    assert task["format"] == "prompt_completion" and task["dropped"] == {}
-    assert task["splits"]["val"]["examples"] > 0 and finetune.read_task(str(out)) == task
-    assert f"python train_gpt2.py --data_dir {out}" in capsys.readouterr().out
+    finetune.main(["--demo", "--output_dir", str(out)])
+    task = finetune.read_task(str(out))
+    assert task["format"] == "prompt_completion" and task["dropped"] == {} and task["splits"]["val"]["examples"] > 0
+    printed = capsys.readouterr().out
+    assert f"training: python train_gpt2.py --data_dir {out} --log_dir {tmp_path / 'log_demo'}" in printed
+    assert "demo finished: task accuracy" in printed and "at step 2" in printed
+    assert f"python sample.py --ckpt_path {tmp_path / 'log_demo' / 'model_00002.pt'}" in printed
     with pytest.raises(SystemExit, match="not empty"):
         finetune.main(["--demo", "--output_dir", str(out)])
