@@ -1,0 +1,455 @@
+"""
+Does packing cost speed? Our fine-tuning step on packed rows, against our pretraining step of the same shape,
+and against what a user would run instead on a CPU: transformers' GPT2LMHeadModel on padded batches.
+
+    python bench/bench_finetune.py --ab --a packed --b pretrain     # target: >= 1.0x in tokens/s
+    python bench/bench_finetune.py --ab --a packed --b hf_padded    # target: >= 1.5x in example tokens/s,
+                                                                    #         at no more peak memory
+    python bench/bench_finetune.py --a packed --profile             # where the time of one packed step goes
+
+The examples: Alpaca-like, --example_len 50 400 tokens (uniform, seeded; capped at --seq_len), each ending
+with <|endoftext|>, the last 40% of its tokens the answer (the targets: finetune.py's answer-only default).
+Their token ids are random: speed does not depend on them. They are written as a finetune.py folder, in a
+temporary directory, and read back by train_gpt2.TaskLoader, so every configuration sees the same examples
+in the same (shuffled) order.
+
+A configuration (--a, --b) is one of these names, then optional items, comma-separated:
+    pretrain     train_gpt2.train_step on B x T random tokens: the pretraining step (bench_train.py's default)
+    packed       train_gpt2.train_step on TaskLoader's packed rows of B x T: examples end to end, positions
+                 restarting at 0, attention inside each example (packed_attention), targets only on the
+                 answers, the loss the mean over the step's targets. The trainer's code path, not a copy.
+    hf_padded    transformers' GPT2LMHeadModel (same shape, no dropout, as ours; its default attention),
+                 N examples per micro-step padded to the longest of them (dynamic padding, as
+                 DataCollatorWithPadding and TRL without packing do) with an attention_mask, labels -100 on
+                 the prompts and padding; fused AdamW and gradient clipping at 1.0 (Trainer's defaults),
+                 eager (Trainer's default), under bf16 autocast where ours is bf16 (Trainer's bf16=True).
+                 N is chosen so that a step holds as many example tokens as a packed step, on average.
+  items: compile | eager (ours; default compile), fp32 | bf16 (default: --dtype, resolved by each worker),
+         keep | release (freed memory kept for reuse, as train_gpt2.py does; default keep for ours, release
+         for hf_padded: glibc's default, what a user's process has), batch_size=N (rows for ours, examples
+         for hf_padded), threads=N, loss_chunk=N, budget=F, NAME=VALUE: as in bench_train.py.
+
+Counted: example tokens, an example's positions (tokens - 1: the last token is only predicted), padding
+excluded; pretrain's are all B x T. "positions" are what the step computes on: B x T rows for ours (padding
+included), N x the longest example for hf_padded. MFU: the FLOPs each step executes (6 per parameter and
+position, lm_head's only at the positions it runs on: packed, the targets rounded up to a multiple of LOSS_CHUNK;
+attention over each span it runs: each example for packed, the whole padded length for hf_padded) per second,
+against this CPU's matmul rate in the configuration's dtype.
+Lock-step as bench_train.py: both configurations built in advance, each in its own process, one step of A
+and one of B in turns, B first in every other pair; the per-pair ratios and their median.
+"""
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+import common  # before train_gpt2: it puts the repository root on sys.path
+import bench_train
+from bench_train import peak_rss, reset_peak_rss
+from plumbing import cpu, speedups, world
+import finetune
+import train_gpt2
+from tokenizer import EOT
+from train_gpt2 import IGNORE, GPTConfig, TaskLoader
+
+KINDS = ("pretrain", "packed", "hf_padded")
+ANSWER_SHARE = 0.4  # the last 40% of an example's tokens are its answer (EOT included): its targets
+SEED = 1337  # of the examples' lengths and ids, and of TaskLoader's order
+
+
+def parse_config(text):
+    """'packed,eager,threads=1' -> {'kind': 'packed', 'compile': False, ...}; items as in bench_train.py."""
+    kind, _, rest = text.partition(",")
+    if kind not in KINDS:
+        raise SystemExit(f"error: --a/--b {text!r}: the configuration starts with one of {', '.join(KINDS)}")
+    items = [s.strip() for s in rest.split(",") if s.strip()]
+    cfg = dict(bench_train.parse_config(rest), kind=kind)
+    if any(i in ("full", "plain") for i in items):
+        raise SystemExit(f"error: --a/--b {text!r}: the training step always uses the chunked loss ('full', 'plain' "
+                         "are bench_train.py's)")
+    if kind == "hf_padded":
+        if any(i in ("compile", "eager", "chunked") or i.startswith(("loss_chunk=", "budget=")) for i in items):
+            raise SystemExit(f"error: --a/--b {text!r}: hf_padded runs transformers' model eagerly, as its Trainer "
+                             "does; compile, chunked, loss_chunk, budget are ours")
+        cfg.update(compile=False, loss="full", memory="keep" if "keep" in items else "release")
+    return cfg
+
+
+def describe(cfg):
+    words = [cfg["kind"], "compile" if cfg["compile"] else "eager", cfg["memory"]] + [cfg["dtype"]] * ("dtype" in cfg)
+    words += [f"{k}={cfg[k]}" for k in ("batch_size", "loss_chunk", "threads", "budget") if k in cfg]
+    words += [f"{k}={os.path.basename(v)}" for k, v in cfg.get("env", {}).items()]
+    return ",".join(words)
+
+
+# -----------------------------------------------------------------------------
+# The examples: a finetune.py folder (its own writer), read by the trainer's TaskLoader
+
+
+def write_examples(out_dir, n, lo, hi, seed=SEED):
+    """n examples of lo..hi tokens (uniform), random ids, each ending with EOT, the last ANSWER_SHARE of it the
+    targets, written as finetune.py writes a split."""
+    rng = np.random.default_rng(seed)
+    examples = []
+    for length in rng.integers(lo, hi + 1, n):
+        ids = rng.integers(0, EOT, length, dtype=np.uint16)
+        ids[-1] = EOT
+        answer_start = length - max(2, round(ANSWER_SHARE * length))  # at least one answer token and the EOT
+        targets = np.zeros(length, np.uint8)
+        targets[answer_start:] = 1
+        examples.append(finetune.Example(ids, targets, answer_start))
+    finetune.write_split(out_dir, "train", examples)
+
+
+def example_order(task_dir, B, T):
+    """The examples in the order training takes them: TaskLoader's rows of the first epoch, end to end."""
+    return [i for row in TaskLoader(task_dir, "train", B, T, seed=SEED).rows for i in row]
+
+
+def padded_batch(tokens, targets, examples, indices):
+    """transformers' way: the examples right-padded to the longest (pad id EOT, as GPT-2's tokenizer is set up for
+    fine-tuning), attention_mask 0 on the padding, labels the target tokens and -100 elsewhere (the model shifts
+    them by one itself). Returns (input_ids, attention_mask, labels), each (len(indices), longest)."""
+    spans = [examples[i] for i in indices]
+    longest = max(end - start for start, _, end in spans)
+    ids = torch.full((len(spans), longest), EOT, dtype=torch.long)
+    mask = torch.zeros((len(spans), longest), dtype=torch.long)
+    labels = torch.full((len(spans), longest), IGNORE, dtype=torch.long)
+    for r, (start, _, end) in enumerate(spans):
+        n = end - start
+        row = torch.from_numpy(tokens[start:end].astype(np.int64))
+        ids[r, :n], mask[r, :n] = row, 1
+        labels[r, :n] = torch.where(torch.from_numpy(targets[start:end] > 0), row, IGNORE)
+    return ids, mask, labels
+
+
+def step_flops(n_params, lm_head_params, n_layer, n_embd, positions, logits, spans):
+    """The FLOPs of a training step (forward + backward) as it runs: 6 per parameter and position (2 forward,
+    4 backward), lm_head's only at the positions whose logits are computed, and attention's scores and weighted
+    sum, 12 n_layer n_embd per query and key in each span attended over (an example, a row, a padded batch row).
+    For rows of T attended whole it is cpu.flops_per_token(...) per position, as bench_train.py counts."""
+    return (6 * (n_params - lm_head_params) * positions + 6 * lm_head_params * logits
+            + 12 * n_layer * n_embd * sum(s * s for s in spans))
+
+
+# -----------------------------------------------------------------------------
+# The worker: one configuration in its own process, stepping when told to
+
+
+def our_step(cfg, args, B):
+    """train_gpt2.train_step, the trainer's own step, on pretraining batches or on TaskLoader's packed rows. Returns
+    (step(): its figures, the model's parameter count, the dtype and why)."""
+    train_gpt2.LOSS_CHUNK = cfg.get("loss_chunk", train_gpt2.LOSS_CHUNK)
+    T, accum = args.seq_len, args.grad_accum
+    config = GPTConfig(block_size=T, vocab_size=train_gpt2.PADDED_VOCAB_SIZE,
+                       n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    raw_model = common.random_model(config, cfg.get("threads") or cpu.physical_cores())
+    dtype_name, dtype_line = speedups.resolve_dtype(cfg.get("dtype", args.dtype), "cpu", args.n_embd)
+    run_args = train_gpt2.build_parser().parse_args(["--batch_size", str(B), "--seq_len", str(T),
+                                                     "--total_batch_size", str(B * T * accum), "--dtype", dtype_name])
+    run = train_gpt2.Run(run_args, world.Ranks(0, 1, 0, 1, "single"), task=None)
+    run.raw_model, run.device_type, run.dtype = raw_model, "cpu", dtype_name
+    run.optimizer, _ = raw_model.configure_optimizer(run_args.weight_decay, run_args.max_lr, "cpu")
+    run.model = speedups.compile_model(raw_model, cfg.get("budget")) if cfg["compile"] else raw_model
+    run.autocast = speedups.autocast(dtype_name, "cpu")
+    n_params, lm_head = sum(p.numel() for p in raw_model.parameters()), raw_model.lm_head.weight.numel()
+    if cfg["kind"] == "pretrain":  # the same random batches every step, as bench_train.py
+        pretrain = [(torch.randint(0, EOT, (B, T)), torch.randint(0, EOT, (B, T)), None) for _ in range(accum)], None
+    else:
+        loader = TaskLoader(args.task_dir, "train", B, T, seed=SEED)
+    done = 0
+
+    def step():
+        nonlocal done
+        if cfg["kind"] == "pretrain":
+            prepared, tokens, logits, spans = pretrain, B * T * accum, B * T * accum, [T] * B * accum
+        else:  # the next step's rows, made before the clock starts (bench_train.py leaves data loading out too)
+            row = loader.row
+            prepared = loader.next_step(accum)
+            assert loader.epoch == 0, "the benchmark's examples ran out"  # prepare_examples writes enough
+            tokens = int(sum(loader.lengths[i] for r in loader.rows[row:loader.row] for i in r))
+            logits = sum(len(packed.picked) for _, _, packed in prepared[0])  # the positions lm_head runs on
+            spans = [int(n) for _, _, packed in prepared[0] for n in packed.lengths]  # packed_attention's calls
+        flops = step_flops(n_params, lm_head, args.n_layer, args.n_embd, B * T * accum, logits, spans)
+        run.train_loader = SimpleNamespace(next_step=lambda micro_steps: prepared)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        loss, _, _, updated = train_gpt2.train_step(run, done)
+        dt, cpu_time = time.perf_counter() - t0, time.process_time() - cpu0
+        if not updated:  # the NaN guard skipped AdamW: this step's time would not be a step's
+            raise SystemExit(f"error: step {done + 1} skipped its update (loss {loss}): not a training step to time")
+        done += 1
+        return {"dt": dt, "cpu": cpu_time, "loss": loss, "tokens": tokens, "positions": B * T * accum,
+                "flops": flops, "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults}
+
+    return step, n_params, dtype_name, dtype_line
+
+
+def hf_step(cfg, args, N):
+    """transformers' GPT2LMHeadModel trained on padded batches of N examples, as its Trainer does without packing."""
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
+    transformers.logging.set_verbosity_error()  # its notes on a config made from scratch say nothing about speed
+    torch.set_num_threads(cfg.get("threads") or cpu.physical_cores())
+    dtype_name, dtype_line = speedups.resolve_dtype(cfg.get("dtype", args.dtype), "cpu", args.n_embd)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=args.seq_len, n_embd=args.n_embd,
+                                       n_layer=args.n_layer, n_head=args.n_head,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5, fused=True)  # Trainer's adamw_torch_fused
+    autocast = speedups.autocast(dtype_name, "cpu")
+    dtype_line += f"; transformers {transformers.__version__}, attention {model.config._attn_implementation}"
+    tokens_, targets_, examples = finetune.open_split(args.task_dir, "train")
+    order = example_order(args.task_dir, args.batch_size, args.seq_len)
+    n_params, lm_head = sum(p.numel() for p in model.parameters()), model.lm_head.weight.numel()
+    taken = 0
+
+    def step():
+        nonlocal taken
+        batches = []
+        for _ in range(args.grad_accum):
+            if taken + N > len(order):
+                raise SystemExit("error: the benchmark's examples ran out")  # prepare_examples writes enough
+            batches.append(padded_batch(tokens_, targets_, examples, order[taken:taken + N]))
+            taken += N
+        n_targets = sum(int((labels[:, 1:] != IGNORE).sum()) for _, _, labels in batches)
+        tokens = sum(int(mask.sum()) - len(mask) for _, mask, _ in batches)  # positions: each example's tokens - 1
+        positions = sum(ids.numel() for ids, _, _ in batches)
+        flops = step_flops(n_params, lm_head, args.n_layer, args.n_embd, positions, positions,
+                           [ids.size(1) for ids, _, _ in batches for _ in ids])
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        optimizer.zero_grad(set_to_none=True)
+        loss_accum = 0.0
+        for ids, mask, labels in batches:
+            with autocast:
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            # the mean over the step's targets, as Trainer's num_items_in_batch makes it (transformers#34191)
+            loss = loss * (int((labels[:, 1:] != IGNORE).sum()) / max(n_targets, 1))
+            loss_accum += loss.item()
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        dt, cpu_time = time.perf_counter() - t0, time.process_time() - cpu0
+        return {"dt": dt, "cpu": cpu_time, "loss": loss_accum, "tokens": tokens, "positions": positions,
+                "flops": flops, "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults}
+
+    return step, n_params, dtype_name, dtype_line
+
+
+def worker(cfg, args):
+    if cfg["memory"] == "keep":
+        cpu.keep_freed_memory()
+    make = hf_step if cfg["kind"] == "hf_padded" else our_step
+    step, n_params, dtype_name, dtype_line = make(cfg, args, cfg["batch_size"])
+    dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
+    print(json.dumps({"n_params": n_params, "threads": torch.get_num_threads(),  # ready
+                      "dtype": dtype_name, "dtype_line": dtype_line}), flush=True)
+    for line in sys.stdin:  # one command per line, one JSON reply per line
+        command = line.strip()
+        if command == "step":
+            reply = step()
+        elif command == "rate":  # this CPU's matmul rate now, in this dtype at the model's shape: a fresh probe
+            reply = {"rate": cpu.measure_matmul_rate(dtype, args.n_embd, 0.05)}
+        elif command == "profile":
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                reply = step()
+            reply["table"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+        elif command == "reset_peak":  # after warm-up: from now on, the peak of the training steps alone
+            reply = {"peak_rss": peak_rss(), "reset": reset_peak_rss()}
+        elif command == "quit":
+            reply = {"peak_rss": peak_rss()}
+        print(json.dumps(reply), flush=True)
+        if command == "quit":
+            break
+
+
+class Worker(bench_train.Worker):
+    """bench_train.py's handle on a worker process, started on this script; ready() waits until it is built."""
+
+    def __init__(self, name, cfg, args):
+        self.name, self.cfg = name, cfg
+        env = dict(os.environ, **cfg.get("env", {}))
+        worker_args = [a for a in sys.argv[1:] if a not in ("--ab", "--profile")]
+        command = [sys.executable, os.path.abspath(__file__), *worker_args, "--task_dir", args.task_dir,
+                   "--worker", json.dumps(cfg)]
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                     preexec_fn=common.die_with_parent())
+
+    def ready(self):
+        self.info = self.ask(None)
+        self.cfg["dtype"] = self.info["dtype"]  # resolved by the worker
+
+    def ask(self, command):
+        if command is not None:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"error: worker {self.name} ({describe(self.cfg)}) exited with {self.proc.wait()}")
+        return json.loads(line)
+
+
+# -----------------------------------------------------------------------------
+# The parent: the examples, the workers, warm-up, the lock-step, the report
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ab", action="store_true", help="lock-step A/B of configurations --a and --b")
+    p.add_argument("--a", default="packed", help="configuration A (default: packed)")
+    p.add_argument("--b", default="pretrain", help="configuration B (default: pretrain)")
+    p.add_argument("--steps", type=int, default=6, help="measured steps (pairs, with --ab)")
+    p.add_argument("--warmup", type=int, default=3, help="steps run first and not measured (packed: the first two "
+                   "compile, the second for the shapes that change from step to step)")
+    p.add_argument("--profile", action="store_true", help="print torch.profiler's table of one step of A")
+    p.add_argument("--batch_size", type=int, default=4, help="rows of --seq_len per micro-step (ours)")
+    p.add_argument("--seq_len", type=int, default=1024)
+    p.add_argument("--grad_accum", type=int, default=1, help="micro-steps per optimizer step")
+    p.add_argument("--example_len", type=int, nargs=2, default=[50, 400], metavar=("MIN", "MAX"),
+                   help="the examples' lengths in tokens, uniform (capped at --seq_len)")
+    common.add_dtype(p)
+    p.add_argument("--n_layer", type=int, default=12)
+    p.add_argument("--n_head", type=int, default=12)
+    p.add_argument("--n_embd", type=int, default=768)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--task_dir", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if min(args.steps, args.batch_size, args.seq_len, args.grad_accum) <= 0 or args.warmup < 1:
+        raise SystemExit("error: --steps, --batch_size, --seq_len, --grad_accum must be positive, --warmup at least 1")
+    if not 2 <= args.example_len[0] <= args.example_len[1]:
+        raise SystemExit("error: --example_len MIN MAX needs 2 <= MIN <= MAX (an example is a prompt, an answer, EOT)")
+    if args.worker:
+        return worker(json.loads(args.worker), args)
+    configs = [("A", parse_config(args.a))] + ([("B", parse_config(args.b))] if args.ab else [])
+    args.task_dir = tempfile.mkdtemp(prefix="bench_finetune_")
+    try:
+        measure(args, configs)
+    finally:
+        shutil.rmtree(args.task_dir)
+
+
+def prepare_examples(args, configs):
+    """Writes the examples; sets hf_padded's examples per micro-step (unless given) to a packed step's average.
+    Returns the line that describes them."""
+    T = args.seq_len
+    lo, hi = min(args.example_len[0], T), min(args.example_len[1], T)
+    # enough for every step of every configuration in one epoch (a step of ours takes B*grad_accum rows of at most
+    # T // lo examples each), twice over
+    steps = args.warmup + args.steps + args.profile
+    rows = max(c.get("batch_size", args.batch_size) for _, c in configs) * args.grad_accum * steps
+    write_examples(args.task_dir, max(1000, 2 * rows * (T // lo + 1)), lo, hi)
+    loader = TaskLoader(args.task_dir, "train", args.batch_size, T, seed=SEED)
+    per_row = sum(len(row) for row in loader.rows) / len(loader.rows)
+    for _, cfg in configs:
+        if cfg["kind"] == "hf_padded":
+            cfg.setdefault("batch_size", max(1, round(args.batch_size * per_row)))
+        cfg.setdefault("batch_size", args.batch_size)
+    padding = 1 - loader.lengths.sum() / (len(loader.rows) * T)
+    return (f"examples: {len(loader.lengths)} of {lo}..{hi} tokens (uniform, seed {SEED}; mean "
+            f"{loader.lengths.mean() + 1:.0f}), the last {ANSWER_SHARE:.0%} of each its targets; "
+            f"packed {per_row:.2f} to a row of {T}, {padding:.1%} padding")
+
+
+def measure(args, configs):
+    examples_line = prepare_examples(args, configs)
+    workers = [Worker(name, cfg, args) for name, cfg in configs]  # both start at once, then build their models
+    for w in workers:
+        w.ready()
+    info = workers[0].info
+    print(f"GPT: {args.n_layer} layers, {args.n_embd} wide, {info['n_params'] / 1e6:.2f}M parameters; "
+          f"T={args.seq_len}, {args.grad_accum} micro-step(s) per step")
+    print(examples_line)
+    # which CPU every figure below comes from: its model, vector ISA and whether it has native bf16
+    print(f"{cpu.describe_cpu(info['threads'])}; {os.cpu_count()} CPUs, torch {torch.__version__}")
+    for w in workers:
+        unit = "examples" if w.cfg["kind"] == "hf_padded" else f"rows of {args.seq_len}"
+        print(f"{w.name}: {describe(w.cfg)} ({w.cfg['batch_size']} {unit} per micro-step); {w.info['dtype_line']}")
+
+    first = {}
+    for w in workers:  # warm-up, one configuration after the other: the first steps compile
+        for i in range(args.warmup):
+            r = w.ask("step")
+            first.setdefault(w.name, r["dt"])
+            print(f"{w.name} warm-up step {i + 1}: {r['dt']:.2f} s, loss {r['loss']:.4f}", flush=True)
+    if args.profile:
+        r = workers[0].ask("profile")
+        print(f"profile of one step of A ({r['dt']:.2f} s):\n{r['table']}")
+    warmup_peak = {w.name: w.ask("reset_peak") for w in workers}
+
+    # measured steps, interleaved; after every pair each worker probes the matmul rate in its dtype
+    results = {w.name: [] for w in workers}
+    rates = {w.name: [] for w in workers}
+    ratios = {"tokens": [], "positions": [], "cpu": []}
+    header = " ".join(f"{w.name + ' s':>8} {w.name + ' tokens':>9} {w.name + ' loss':>8}" for w in workers)
+    print(f"{'step':>4} {header} " + " ".join(f"{w.name + ' GFLOP/s':>10}" for w in workers)
+          + (f" {'A:B':>6} {'pos A:B':>7} {'cpu A:B':>7}" if args.ab else "") + "  load")
+    for i in range(args.steps):
+        turn = workers if i % 2 == 0 else workers[::-1]
+        now = {w.name: w.ask("step") for w in turn}
+        for w in workers:
+            rates[w.name].append(w.ask("rate")["rate"])
+            results[w.name].append(now[w.name])
+        line = f"{i + 1:4d} " + " ".join(f"{r['dt']:8.2f} {r['tokens']:9d} {r['loss']:8.4f}"
+                                         for r in (now[w.name] for w in workers))
+        line += " " + " ".join(f"{rates[w.name][-1]:10.0f}" for w in workers)
+        if args.ab:  # A's count per second over B's, in this pair: of example tokens, of positions, per CPU second
+            a, b = now["A"], now["B"]
+            ratios["tokens"].append(a["tokens"] / a["dt"] / (b["tokens"] / b["dt"]))
+            ratios["positions"].append(a["positions"] / a["dt"] / (b["positions"] / b["dt"]))
+            ratios["cpu"].append(a["tokens"] / a["cpu"] / (b["tokens"] / b["cpu"]))
+            line += " " + " ".join(f"{ratios[k][-1]:{n}.2f}" for k, n in (("tokens", 6), ("positions", 7), ("cpu", 7)))
+        # the load average: how many processes wanted a CPU (this benchmark itself is about 1)
+        print(line + f"  {os.getloadavg()[0]:4.1f}", flush=True)
+    report(args, workers, results, rates, ratios, first, warmup_peak)
+
+
+def report(args, workers, results, rates, ratios, first, warmup_peak):
+    print()
+    width = max(len(describe(w.cfg)) for w in workers)
+    print(f"{'':2} {'configuration':<{width}} {'tokens/s':>9} {'pos/s':>8} {'MFU':>6} {'peak RSS':>9} "
+          f"{'faults/step':>11} {'first step':>10} {'warm-up RSS':>11}")
+    rss, mfu = {}, {}
+    for w in workers:
+        runs = results[w.name]
+        seconds = sum(r["dt"] for r in runs)  # over all measured steps: a packed or padded step's tokens vary
+        faults = statistics.median(r["faults"] for r in runs)
+        rss[w.name] = w.close()
+        if not warmup_peak[w.name]["reset"]:  # no way to reset it here: the peak since the start
+            rss[w.name] = max(rss[w.name], warmup_peak[w.name]["peak_rss"])
+        # against the fastest probe: the machine's noise only ever slows a probe down
+        mfu[w.name] = sum(r["flops"] for r in runs) / seconds / (max(rates[w.name]) * 1e9 or float("nan"))
+        print(f"{w.name:2} {describe(w.cfg):<{width}} {sum(r['tokens'] for r in runs) / seconds:9.0f} "
+              f"{sum(r['positions'] for r in runs) / seconds:8.0f} {mfu[w.name]:6.1%} {rss[w.name] / 2**30:5.2f} GiB "
+              f"{faults:11.0f} {first[w.name]:8.1f} s {warmup_peak[w.name]['peak_rss'] / 2**30:7.2f} GiB")
+    for w in workers:
+        print(f"{w.name}: {mfu[w.name]:.1%} of this CPU's {w.cfg['dtype']} matmul rate, "
+              f"{max(rates[w.name]):.0f} GFLOP/s (the fastest probe)")
+    print("tokens/s: example tokens (an example's positions, padding excluded; pretrain: all) per second over the\n"
+          "measured steps; pos/s: the positions each step computes on, padding included. MFU: the FLOPs each step\n"
+          "executes per second, against this CPU's matmul rate in the configuration's dtype at the model's shape,\n"
+          "as probed after every pair (GFLOP/s columns above). A:B: A's tokens/s over B's, in that pair; pos A:B:\n"
+          "the same in positions/s (same shapes: B's step time over A's); cpu A:B: tokens per CPU second (all\n"
+          "threads), steadier than wall time on a busy machine. peak RSS: the process's most resident memory during\n"
+          "the measured steps; warm-up RSS: during warm-up, compilation included. first step: includes compiling.")
+    if args.ab:
+        median = {k: statistics.median(v) for k, v in ratios.items()}
+        print(f"A/B: A is {median['tokens']:.2f}x B in example tokens/s (median of {len(ratios['tokens'])} per-pair "
+              f"ratios; min {min(ratios['tokens']):.2f}, max {max(ratios['tokens']):.2f}); in positions/s "
+              f"{median['positions']:.2f}x; in CPU time {median['cpu']:.2f}x")
+        print(f"peak RSS: A {rss['A'] / 2**30:.2f} GiB, B {rss['B'] / 2**30:.2f} GiB (A/B {rss['A'] / rss['B']:.2f})")
+
+
+if __name__ == "__main__":
+    main()
