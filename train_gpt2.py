@@ -85,9 +85,10 @@ def packed_attention(q, k, v, lengths):
     rows' padding's) lengths in order, row after row, summing to B*T. Returns (B, T, n_head, head_size)."""
     B, nh, T, hs = q.shape
     sizes = lengths.tolist()
-    # heads first, then the rows end to end: each example is one slice along dim 1 (split's backward is one cat)
-    q, k, v = (t.transpose(0, 1).reshape(nh, B * T, hs).split(sizes, dim=1) for t in (q, k, v))
-    y = torch.cat([F.scaled_dot_product_attention(*qkv, is_causal=True) for qkv in zip(q, k, v)], dim=1)
+    # heads first, then the rows end to end: each example is one slice along dim 2 (split's backward is one cat);
+    # 4-D, (1, n_head, L, head_size): PyTorch's CPU flash kernel takes those, 3-D goes the slower, bigger math path
+    q, k, v = (t.transpose(0, 1).reshape(1, nh, B * T, hs).split(sizes, dim=2) for t in (q, k, v))
+    y = torch.cat([F.scaled_dot_product_attention(*qkv, is_causal=True) for qkv in zip(q, k, v)], dim=2)
     return y.view(nh, B, T, hs).permute(1, 2, 0, 3)
 
 class MLP(nn.Module):

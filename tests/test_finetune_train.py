@@ -287,3 +287,16 @@ def test_two_ranks_and_sharded_equal_one_process(task, tmp_path):
         assert all(abs(a - b) <= 1e-4 for a, b in zip(read_log(single, "val").values(), read_log(other, "val").values()))
         assert read_log(single, "task") == read_log(other, "task")
         assert_close_weights(final_weights(single), final_weights(other), 1e-5)
+
+
+def test_the_demo_task_is_learned_from_scratch(tmp_path):
+    """finetune.py's synthetic task (sort 3 to 6 digits) with the demo's model and flags on 12,000 examples (one pass,
+    ~78 steps of 2048 positions): val accuracy from 0 to above a floor. About a minute on 2 cores of either kind."""
+    train, val = finetune.make_demo_task(str(tmp_path / "demo"), n_train=12000, n_val=60, seed=7)
+    finetune.main(["--input", train, "--val_input", val, "--output_dir", str(tmp_path / "task")])
+    flags = [f"--{k}={v}" for k, v in finetune.DEMO_TRAIN_ARGS.items() if k != "eval_interval"]
+    run_train(["--data_dir", tmp_path / "task", "--log_dir", tmp_path / "log", *flags, "--no-compile",
+               "--eval_interval", "1000", "--dtype", "fp32"])
+    accuracy = read_log(tmp_path / "log", "task")
+    assert list(accuracy.values())[0] == 0.0 and len(accuracy) == 2, accuracy
+    assert list(accuracy.values())[-1] >= 0.5, accuracy
