@@ -1,0 +1,353 @@
+"""
+Are our fine-tuning defaults any good? A small GPT trained from scratch on a task, two ways, on the same
+examples for the same epochs, and compared on what a user cares about: the masked val loss and the share of
+right answers.
+
+    python bench/compare_hf_finetune.py --train train.jsonl --val val.jsonl --epochs 3
+    python bench/compare_hf_finetune.py --synthetic chat --epochs 3     # a made-up task (reverse, alpaca, chat)
+
+ours  the commands a user runs: `finetune.py --input train.jsonl --val_input val.jsonl --output_dir D`, then
+      `train_gpt2.py --data_dir D --epochs N --n_layer .. --n_head .. --n_embd .. --block_size .. --no-compile`
+      with every fine-tuning default (finetune.training_defaults: rows, examples a step, learning rate, warmup,
+      decay; train_gpt2.py prints them on its 'fine-tuning:' line). The bench adds only flags that change no
+      weight: --dtype and --threads (the same for both sides), --task_examples (every val example is scored),
+      --eval_interval (evaluations at the start and the end only: they cost time, not results) and
+      --checkpoint_interval 0. The val loss and accuracy are the last 'val' and 'task' lines of its log.txt.
+hf    an independent loop, written as a Hugging Face user would: transformers' GPT2LMHeadModel from scratch
+      (same shape, GPT-2's 50257 tokens, n_positions = our block size, GPT2Config's defaults otherwise, its
+      dropout of 0.1 included), the examples rendered by finetune.render (the same ids and target masks as
+      ours: checked against our task folder), labels -100 on the non-targets, batches of --hf_batch examples
+      padded to their longest with an attention_mask, reshuffled each epoch; AdamW (weight decay 0.01 on all
+      but biases and LayerNorms, as Trainer groups them), linear warmup over 10% of the steps then linear
+      decay to 0 (get_linear_schedule_with_warmup), gradient clipping at 1.0 (Trainer's max_grad_norm).
+      Val loss: the mean over every val target token (each example's padding masked out and unseen: causal
+      attention, right padding). Accuracy: transformers' generate, greedy (do_sample=False), stopping at
+      <|endoftext|> (eos_token_id=50256), max_new_tokens by finetune.task_accuracy's rule and the context's end,
+      scored with finetune.answer_key (exact match after whitespace normalization, or --answer_regex).
+
+Both run at the same time, each on --threads torch threads (1 by default: two processes on a 2-core machine;
+--one_at_a_time runs ours first, then hf). Wall times are each side's whole run (ours: its process, startup and
+its two evaluations included; hf: training and its evaluation), and their training steps alone, on this CPU
+at this moment; the quality figures are what this bench is for.
+
+To try another default: --set NAME=VALUE runs train_gpt2.py with that constant of finetune.py changed, as if
+edited (--set EXAMPLES_PER_STEP=16), and --our_flags adds flags (--our_flags '--max_lr 1e-3'); --only ours
+skips the HF loop, whose result does not depend on them.
+"""
+import argparse
+import json
+import math
+import os
+import random
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import common  # noqa: F401  (puts the repository root on sys.path)
+import finetune
+from plumbing import cpu
+from tokenizer import EOT, VOCAB_SIZE, decode, encode
+
+REPO = common.REPO
+
+# -----------------------------------------------------------------------------
+# 1. Synthetic tasks to try it on (--synthetic NAME): made by a rule, so val prompts are new to the model and
+# accuracy measures the rule learned. Small enough for a 4-layer, 128-wide model to learn some of in minutes.
+
+WORDS = "cat dog red blue sun moon tree fish bird star car ship king queen apple bread milk rain snow fire".split()
+
+def reverse_example(rng):
+    """prompt/completion, answers of 2 to 5 words: the words in reverse order."""
+    words = [rng.choice(WORDS[:10]) for _ in range(rng.randint(2, 5))]
+    return {"prompt": "Reverse the words: " + " ".join(words) + "\nReversed:", "completion": " " + " ".join(words[::-1])}
+
+def alpaca_example(rng):
+    """Alpaca, two instructions on an input of 2 to 4 words: repeat them, or reverse them."""
+    words = [rng.choice(WORDS[:10]) for _ in range(rng.randint(2, 4))]
+    if rng.random() < 0.5:
+        return {"instruction": "Repeat the words.", "input": " ".join(words), "output": " ".join(words)}
+    return {"instruction": "Reverse the words.", "input": " ".join(words), "output": " ".join(words[::-1])}
+
+def chat_example(rng):
+    """chat, two exchanges (an optional system turn first): the answer scored, the last, needs both user turns."""
+    item, have, more = rng.choice(WORDS[:10]), rng.randint(1, 20), rng.randint(1, 9)
+    messages = [{"role": "system", "content": "You keep count."}] if rng.random() < 0.5 else []
+    return {"messages": messages + [
+        {"role": "user", "content": f"I have {have} {item}s."},
+        {"role": "assistant", "content": f"You have {have} {item}s."},
+        {"role": "user", "content": f"I get {more} more. How many now?"},
+        {"role": "assistant", "content": f"Now you have {have + more} {item}s."}]}
+
+SYNTHETIC = {"reverse": reverse_example, "alpaca": alpaca_example, "chat": chat_example}
+
+def write_synthetic(name, out_dir, n_train, n_val, seed=0):
+    """out_dir/train.jsonl and val.jsonl, val examples distinct from every train example."""
+    rng, seen, val, train = random.Random(seed), set(), [], []
+    while len(val) < n_val:
+        line = json.dumps(SYNTHETIC[name](rng))
+        if line not in seen:
+            seen.add(line)
+            val.append(line)
+    while len(train) < n_train:
+        line = json.dumps(SYNTHETIC[name](rng))
+        if line not in seen:
+            train.append(line)
+    paths = [os.path.join(out_dir, f"{split}.jsonl") for split in ("train", "val")]
+    for path, lines in zip(paths, (train, val)):
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return paths
+
+# -----------------------------------------------------------------------------
+# 2. Ours: finetune.py and train_gpt2.py, run as a user runs them
+
+def start_ours(args, work, block_size):
+    """Prepares the task folder (finetune.py) and starts train_gpt2.py on it; returns (process, task dir, log dir, t0)."""
+    task_dir, log_dir = os.path.join(work, "task"), os.path.join(work, "log")
+    subprocess.run([sys.executable, "finetune.py", "--input", args.train, "--val_input", args.val, "--output_dir",
+                    task_dir] + (["--answer_regex", args.answer_regex] if args.answer_regex else []),
+                   cwd=REPO, check=True, stdout=subprocess.DEVNULL, preexec_fn=common.die_with_parent())
+    n_val = finetune.read_task(task_dir)["splits"]["val"]["examples"]
+    # --set: train_gpt2.py with a constant of finetune.py (where the fine-tuning defaults are) or its own changed,
+    # as if edited: a default under test
+    launch = ["train_gpt2.py"] if not args.set else ["-c", "import ast, finetune, train_gpt2\n"
+              f"for name, value in {[s.split('=', 1) for s in args.set]!r}:\n"
+              "    setattr(finetune if hasattr(finetune, name) else train_gpt2, name, ast.literal_eval(value))\n"
+              "train_gpt2.world.run_main(train_gpt2.main)"]
+    command = [sys.executable] + launch + ["--data_dir", task_dir, "--log_dir", log_dir, "--epochs", str(args.epochs),
+               "--n_layer", str(args.n_layer), "--n_head", str(args.n_head), "--n_embd", str(args.n_embd),
+               "--block_size", str(block_size), "--no-compile", "--dtype", args.dtype, "--threads", str(args.threads),
+               "--task_examples", str(n_val), "--eval_interval", "1000000000", "--checkpoint_interval", "0"]
+    command += shlex.split(args.our_flags)   # (later flags win: to try other settings)
+    print("ours: train_gpt2.py " + " ".join(command[1 + len(launch):]) + "".join(f" (and {s})" for s in args.set), flush=True)
+    with open(os.path.join(work, "ours.out"), "w") as out:   # (the child has its own copy of the file)
+        process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                   preexec_fn=common.die_with_parent())
+    return process, task_dir, log_dir, time.time()
+
+def finish_ours(process, work, log_dir, t0):
+    """Waits for train_gpt2.py; its last val loss and task accuracy from log.txt, its timings, its settings line."""
+    code = process.wait()
+    wall = time.time() - t0
+    with open(os.path.join(work, "ours.out")) as f:
+        out = f.read()
+    if code:
+        raise SystemExit(f"error: train_gpt2.py failed (exit code {code}):\n{out[-3000:]}")
+    last = {}
+    with open(os.path.join(log_dir, "log.txt")) as f:
+        for line in f:
+            step, kind, value = line.split()
+            last[kind] = (int(step), float(value))
+    settings = re.search(r"^fine-tuning: .*$", out, re.M).group(0)
+    train_s = sum(float(ms) for ms in re.findall(r"^step .*\| dt (\d+)ms", out, re.M)) / 1000
+    return {"val loss": last["val"][1], "accuracy": last["task"][1], "wall s": wall, "train s": train_s,
+            "settings": settings}
+
+# -----------------------------------------------------------------------------
+# 3. Hugging Face: GPT2LMHeadModel on padded batches, as its users train it
+
+def render_file(path):
+    """Every example of a jsonl file as (ids, labels with -100 on non-targets, answer_start), by finetune.render;
+    a line finetune.py would drop (not JSON, a bad example) is skipped."""
+    examples = []
+    with open(path) as f:
+        for line in filter(str.strip, f):
+            try:
+                ids, targets, answer_start = finetune.render(json.loads(line))
+            except ValueError:   # (BadExample is one, as is json's error)
+                continue
+            examples.append((ids, [i if t else -100 for i, t in zip(ids, targets)], answer_start))
+    return examples
+
+def same_as_task_folder(examples, task_dir, split):
+    """Our trainer reads the task folder; the HF loop renders the jsonl: are they the same ids and targets?"""
+    tokens, targets, offsets = finetune.open_split(task_dir, split)
+    ids = [i for e in examples for i in e[0]]
+    labels = [lab != -100 for e in examples for lab in e[1]]
+    return (np.array_equal(np.asarray(tokens), ids) and np.array_equal(np.asarray(targets), labels)
+            and [a - s for s, a, _ in offsets.tolist()] == [e[2] for e in examples])
+
+def padded(batch):
+    """Examples -> input_ids, attention_mask, labels, padded on the right to the batch's longest."""
+    longest = max(len(ids) for ids, _, _ in batch)
+    input_ids = torch.full((len(batch), longest), EOT)
+    labels = torch.full((len(batch), longest), -100)
+    mask = torch.zeros((len(batch), longest), dtype=torch.long)
+    for row, (ids, labs, _) in enumerate(batch):
+        input_ids[row, :len(ids)], labels[row, :len(ids)], mask[row, :len(ids)] = torch.tensor(ids), torch.tensor(labs), 1
+    return input_ids, mask, labels
+
+def hf_train(model, train, args, autocast):
+    """--epochs passes over train, shuffled each epoch; returns the seconds spent."""
+    from tqdm import tqdm
+    from transformers import get_linear_schedule_with_warmup
+    no_decay = lambda name: name.endswith("bias") or ".ln_" in name   # noqa: E731  (Trainer: biases, LayerNorms)
+    groups = [{"params": [p for n, p in model.named_parameters() if not no_decay(n)], "weight_decay": args.hf_weight_decay},
+              {"params": [p for n, p in model.named_parameters() if no_decay(n)], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=args.hf_lr, betas=(0.9, 0.999), eps=1e-8)
+    steps = args.epochs * math.ceil(len(train) / args.hf_batch)
+    schedule = get_linear_schedule_with_warmup(optimizer, round(args.hf_warmup * steps), steps)
+    generator = torch.Generator().manual_seed(args.seed)
+    model.train()
+    t0 = time.time()
+    with tqdm(total=steps, desc="hf training", unit="step", leave=False) as bar:
+        for epoch in range(args.epochs):
+            order = torch.randperm(len(train), generator=generator).tolist()
+            for i in range(0, len(order), args.hf_batch):
+                input_ids, mask, labels = padded([train[j] for j in order[i:i + args.hf_batch]])
+                with autocast:
+                    loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                schedule.step()
+                optimizer.zero_grad(set_to_none=True)
+                bar.set_postfix(loss=f"{loss.item():.3f}", epoch=epoch)
+                bar.update()
+    return time.time() - t0
+
+@torch.no_grad()
+def hf_val_loss(model, val, autocast):
+    """The mean loss over every val target token (not a mean of batch means)."""
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(val), 16):
+        input_ids, mask, labels = padded(val[i:i + 16])
+        with autocast:
+            logits = model(input_ids=input_ids, attention_mask=mask).logits
+        total += F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100,
+                                 reduction="sum").item()
+        count += int((labels[:, 1:] != -100).sum())
+    return total / count
+
+@torch.no_grad()
+def hf_accuracy(model, val, n_positions, answer_regex, autocast):
+    """Greedy answers by transformers' generate, scored as finetune.task_accuracy scores ours."""
+    model.eval()
+    right = 0
+    for ids, _, answer_start in val:
+        prompt, expected = ids[:answer_start], decode(ids[answer_start:-1])
+        n_expected = len(encode(expected))
+        limit = 2 * n_expected + 16 if answer_regex else n_expected + 8   # finetune.task_accuracy's rule
+        limit = min(limit, n_positions - len(prompt))   # and the context's end, as sample.answer stops there
+        with autocast:
+            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=limit, eos_token_id=EOT, pad_token_id=EOT)
+        answer = out[0, len(prompt):].tolist()
+        answer = answer[:answer.index(EOT)] if EOT in answer else answer
+        key = finetune.answer_key(decode(answer), answer_regex)
+        right += key is not None and key == finetune.answer_key(expected, answer_regex)
+    return right / len(val)
+
+def run_hf(args, train, val, block_size):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(args.seed)
+    config = GPT2Config(vocab_size=VOCAB_SIZE, n_positions=block_size, n_embd=args.n_embd, n_layer=args.n_layer,
+                        n_head=args.n_head, bos_token_id=EOT, eos_token_id=EOT, resid_pdrop=args.hf_dropout,
+                        embd_pdrop=args.hf_dropout, attn_pdrop=args.hf_dropout)
+    model = GPT2LMHeadModel(config)
+    autocast = torch.autocast("cpu", torch.bfloat16, enabled=args.dtype == "bf16")
+    t0 = time.time()
+    train_s = hf_train(model, train, args, autocast)
+    result = {"val loss": hf_val_loss(model, val, autocast),
+              "accuracy": hf_accuracy(model, val, block_size, args.answer_regex, autocast)}
+    steps = args.epochs * math.ceil(len(train) / args.hf_batch)
+    settings = (f"hf: {len(train)} examples x {args.epochs} epochs = {steps} steps of {args.hf_batch} examples; "
+                f"lr {args.hf_lr:g} linear to 0, warmup {round(args.hf_warmup * steps)}, weight decay "
+                f"{args.hf_weight_decay:g}, dropout {args.hf_dropout:g}")
+    return {**result, "wall s": time.time() - t0, "train s": train_s, "settings": settings}
+
+# -----------------------------------------------------------------------------
+# 4. The command line
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Our fine-tuning defaults against a Hugging Face loop, from scratch.")
+    a = p.add_argument
+    a("--train", help="training examples (.jsonl, any of finetune.py's formats)")
+    a("--val", help="val examples (.jsonl)")
+    a("--synthetic", choices=sorted(SYNTHETIC), help="make a task instead of --train/--val")
+    a("--n_train", type=int, default=1000, help="--synthetic: training examples (default: %(default)s)")
+    a("--n_val", type=int, default=200, help="--synthetic: val examples (default: %(default)s)")
+    a("--epochs", type=int, default=3)
+    a("--n_layer", type=int, default=4)
+    a("--n_head", type=int, default=4)
+    a("--n_embd", type=int, default=128)
+    a("--block_size", type=int, help="context of both models (default: 256, or the longest example rounded up to 64)")
+    a("--answer_regex", help="score answers by this regex's first group (as finetune.py --answer_regex)")
+    a("--threads", type=int, default=1, help="torch threads for each side (default: %(default)s)")
+    a("--dtype", choices=["fp32", "bf16"], default="fp32", help="both sides (default: %(default)s)")
+    a("--hf_lr", type=float, default=5e-4)
+    a("--hf_batch", type=int, default=8, help="examples per step")
+    a("--hf_warmup", type=float, default=0.1, help="share of the steps warming up")
+    a("--hf_weight_decay", type=float, default=0.01)
+    a("--hf_dropout", type=float, default=0.1, help="GPT2Config's default")
+    a("--our_flags", default="", help="more flags for train_gpt2.py, to try other settings (e.g. '--max_lr 5e-4')")
+    a("--set", action="append", default=[], metavar="NAME=VALUE",
+      help="run train_gpt2.py with the constant NAME (of finetune.py or train_gpt2.py) set to VALUE (a Python literal), e.g. EXAMPLES_PER_STEP=8 "
+           "or FINETUNE_LR=\"{'scratch': 5e-4, 'pretrained': 5e-5}\": a default under test")
+    a("--only", choices=["ours", "hf"], help="run one side only")
+    a("--one_at_a_time", action="store_true", help="ours, then hf (default: both at once)")
+    a("--seed", type=int, default=1337, help="the HF loop's initial weights and order (ours: train_gpt2's --seed)")
+    a("--work_dir", help="keep the task folder, log and outputs here (default: a temporary folder)")
+    args = p.parse_args(argv)
+    if bool(args.train) != bool(args.val) or bool(args.train) == bool(args.synthetic):
+        raise SystemExit("error: give --train and --val, or --synthetic NAME")
+    import train_gpt2
+    for name_value in args.set:
+        name = name_value.split("=")[0]
+        if "=" not in name_value or not (hasattr(finetune, name) or hasattr(train_gpt2, name)):
+            raise SystemExit(f"error: --set {name_value}: not NAME=VALUE with NAME a constant of finetune.py or train_gpt2.py")
+    for path in filter(None, (args.train, args.val)):
+        if not os.path.isfile(path):
+            raise SystemExit(f"error: {path}: no such file")
+    return args
+
+def main(argv=None):
+    args = parse_args(argv)
+    work = args.work_dir or tempfile.mkdtemp(prefix="compare_hf_")
+    os.makedirs(work, exist_ok=True)
+    if args.synthetic:
+        args.train, args.val = write_synthetic(args.synthetic, work, args.n_train, args.n_val)
+    args.train, args.val = os.path.abspath(args.train), os.path.abspath(args.val)
+    torch.set_num_threads(args.threads)
+    print(cpu.describe_cpu(args.threads), f"(each side); {args.dtype}; work dir {work}", flush=True)
+    train, val = render_file(args.train), render_file(args.val)
+    longest = max(len(e[0]) - 1 for e in train + val)
+    block_size = args.block_size or max(256, -(-longest // 64) * 64)
+    results = {}
+    if args.only != "hf":
+        ours = start_ours(args, work, block_size)
+        if not all(same_as_task_folder(examples, ours[1], split) for examples, split in ((train, "train"), (val, "val"))):
+            raise SystemExit("error: finetune.py's task folder holds other examples than finetune.render gives "
+                             "(an example longer than --max_len 1024, cut by finetune.py?)")
+        if args.one_at_a_time or args.only == "ours":
+            results["ours"] = finish_ours(ours[0], work, *ours[2:])
+    if args.only != "ours":
+        results["hf"] = run_hf(args, train, val, block_size)
+    if "ours" not in results and args.only != "hf":
+        results["ours"] = finish_ours(ours[0], work, *ours[2:])
+    print(f"\n{len(train)} train / {len(val)} val examples ({os.path.basename(args.train)}, {os.path.basename(args.val)}), "
+          f"{args.epochs} epochs, {args.n_layer} layers x {args.n_embd} wide, {args.n_head} heads, context {block_size}")
+    print(cpu.describe_cpu(args.threads) + f" each, {args.dtype}" + (", at the same time" if len(results) == 2 and
+                                                                     not args.one_at_a_time else ""))
+    print(f"{'':6s} {'val loss':>9s} {'accuracy':>9s} {'wall s':>8s} {'train s':>8s}")
+    for name, r in results.items():
+        print(f"{name:6s} {r['val loss']:9.4f} {r['accuracy']:9.3f} {r['wall s']:8.1f} {r['train s']:8.1f}")
+    for name, r in results.items():
+        print(f"  {r['settings']}")
+    if len(results) == 2:
+        ours, hf = results["ours"], results["hf"]
+        worse = (["val loss"] if ours["val loss"] > hf["val loss"] else []) + \
+                (["accuracy"] if ours["accuracy"] < hf["accuracy"] else [])
+        print("ours is WORSE in " + " and ".join(worse) if worse else "ours is no worse")
+    return results
+
+if __name__ == "__main__":
+    main()
