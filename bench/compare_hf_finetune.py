@@ -44,6 +44,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -109,7 +110,8 @@ def write_synthetic(name, out_dir, n_train, n_val, seed=0):
 # 2. Ours: finetune.py and train_gpt2.py, run as a user runs them
 
 def start_ours(args, work, block_size):
-    """Prepares the task folder (finetune.py) and starts train_gpt2.py on it; returns (process, task dir, log dir, t0)."""
+    """Prepares the task folder (finetune.py) and starts train_gpt2.py on it; returns (process, task dir, log dir,
+    its start and end times: [t0] now, [t0, t1] once it has ended)."""
     task_dir, log_dir = os.path.join(work, "task"), os.path.join(work, "log")
     subprocess.run([sys.executable, "finetune.py", "--input", args.train, "--val_input", args.val, "--output_dir",
                     task_dir] + (["--answer_regex", args.answer_regex] if args.answer_regex else []),
@@ -130,12 +132,17 @@ def start_ours(args, work, block_size):
     with open(os.path.join(work, "ours.out"), "w") as out:   # (the child has its own copy of the file)
         process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                                    preexec_fn=common.die_with_parent())
-    return process, task_dir, log_dir, time.time()
+    times = [time.time()]
+    # its end time, taken when it ends: the HF loop, running meanwhile, may end later
+    threading.Thread(target=lambda: (process.wait(), times.append(time.time())), daemon=True).start()
+    return process, task_dir, log_dir, times
 
-def finish_ours(process, work, log_dir, t0):
+def finish_ours(process, work, log_dir, times):
     """Waits for train_gpt2.py; its last val loss and task accuracy from log.txt, its timings, its settings line."""
     code = process.wait()
-    wall = time.time() - t0
+    while len(times) < 2:   # (the thread appends the end time just after wait returns)
+        time.sleep(0.01)
+    wall = times[1] - times[0]
     with open(os.path.join(work, "ours.out")) as f:
         out = f.read()
     if code:
