@@ -18,7 +18,7 @@ What goes into the folder:
   tokenizer_config.json, special_tokens_map.json
   task.json               only for a fine-tuned model: the task.json of the data it was fine-tuned on
                           (finetune.py), whose template renders a question as the prompt the model answers;
-                          sample.py --init_from reads it (and transformers ignores it)
+                          sample.py and answer.py read it (and transformers ignores it)
 """
 import argparse
 import json
@@ -166,7 +166,7 @@ def main(argv=None):
     if not os.path.exists(args.checkpoint) and not args.checkpoint.startswith("gpt2"):
         raise SystemExit(f"error: checkpoint {args.checkpoint} not found")
     check_output_dir(args.output_dir)  # before loading anything
-    from sample import load_model
+    from train_gpt2 import load_model
     model, task = load_model(args.checkpoint)  # checksums verified, one error line if unreadable
     n = export(model, args.output_dir, task)
     print(f"exported {args.checkpoint} ({n / 1e6:.2f}M parameters, {model.config.n_layer} layers) to "

@@ -1,5 +1,5 @@
 """
-fineweb.py: text -> the uint16 token shards that train_gpt2.py reads.
+fineweb.py: text -> the uint16 token shards that train_gpt2.py reads (through dataloader.py).
 
     python fineweb.py                                   # FineWeb-Edu sample-10BT -> edu_fineweb10B/
     python fineweb.py --input 'my_notes/*.txt' --output_dir my_shards --shard_size 1e6 --val_tokens 1e5
@@ -22,10 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow.parquet as pq
-import torch
 from tqdm import tqdm
 
-from plumbing.inputs import check_enough_tokens, find_shards, open_shard
+from plumbing.checkpoints import atomic_write
 from tokenizer import EOT, get_encoding
 
 EOT_TEXT = "<|endoftext|>"        # the text that tiktoken turns into the EOT id when allowed
@@ -178,16 +177,6 @@ def tokenize_batch(texts):
 
 # -----------------------------------------------------------------------------
 # 3. Shards and the manifest on disk
-
-def atomic_write(path, write):
-    """Write to path.tmp, flush it to the disk, then rename: the rename is atomic, so `path` is either the
-    old file or the complete new one, never a half-written one (even after kill -9 or a power cut)."""
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 def save_manifest(path, manifest):
     atomic_write(path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
@@ -423,113 +412,5 @@ def main(argv=None):
         print("warning: no train shard: all the input went to val; pass a smaller --val_tokens", file=sys.stderr)
     return manifest
 
-def build_demo_shards(out_dir, max_tokens=8_000_000):
-    """train_gpt2.py's demo corpus: the Python standard library's own source, which every machine with
-    Python has, tokenized into one val and one train shard (kept as a cache in out_dir)."""
-    if os.path.exists(os.path.join(out_dir, "demo_train_000001.npy")):
-        return
-    os.makedirs(out_dir, exist_ok=True)
-    stdlib = os.path.dirname(os.__file__)
-    docs = []
-    for path in sorted(glob.glob(os.path.join(stdlib, "**", "*.py"), recursive=True)):
-        if "site-packages" not in path and "test" not in os.path.relpath(path, stdlib):
-            with open(path, encoding="utf-8", errors="replace") as f:
-                docs.append(f.read())
-    tokens, n = [], 0
-    for ids in get_encoding().encode_ordinary_batch(docs, num_threads=os.cpu_count() or 1):
-        tokens.append([EOT] + ids)  # every document starts with <|endoftext|>
-        n += len(ids) + 1
-        if n >= max_tokens:
-            break
-    # whole documents only: every 20th goes to val, so no document is split between the two
-    val, train = tokens[::20], [t for i, t in enumerate(tokens) if i % 20 != 0]
-    for name, docs in (("demo_val_000000.npy", val), ("demo_train_000001.npy", train)):
-        tmp = os.path.join(out_dir, f"{name}.{os.getpid()}.tmp.npy")  # ranks on one host may build at once
-        np.save(tmp, np.concatenate(docs).astype(np.uint16))
-        os.replace(tmp, os.path.join(out_dir, name))
-
 if __name__ == "__main__":
     main()
-
-# -----------------------------------------------------------------------------
-# 6. Reading the shards back: train_gpt2.py's loaders, memory-mapped (plumbing/inputs.py opens them), shuffled
-#    deterministically
-
-class DataLoader:
-    """Cuts each shard into blocks of T+1 tokens (inputs and targets overlap by one) and serves
-    them in an order shuffled by the seed: shard order per epoch, block order per shard.
-
-    All ranks walk the same stream of blocks; each step the next world*B blocks are taken and
-    rank r keeps blocks r*B..(r+1)*B-1. So ranks never share data, and every block is used once
-    per epoch whatever the world size (a step may span two shards or two epochs). The position
-    in that stream is the loader's whole state: (epoch, shard index, block index)."""
-
-    def __init__(self, data_dir, split, B, T, rank=0, world_size=1, seed=1337):
-        self.B, self.T, self.rank, self.world_size, self.seed = B, T, rank, world_size, seed
-        self.files = find_shards(data_dir, split)
-        if not self.files:
-            raise SystemExit(f"error: no shards with '{split}' in their name in --data_dir {data_dir}")
-        self.shards = [open_shard(f) for f in self.files]
-        check_enough_tokens(self.shards, self.files, T, split)
-        self.epoch, self.shard, self.block = 0, 0, 0
-        self._load_orders()
-
-    def _load_orders(self):  # permutations are a pure function of (seed, epoch, shard): nothing else to store
-        rng = np.random.default_rng([self.seed, self.epoch])
-        self.shard_order = rng.permutation(len(self.shards))
-        n_blocks = (len(self.shards[self.shard_order[self.shard]]) - 1) // self.T
-        rng = np.random.default_rng([self.seed, self.epoch, int(self.shard_order[self.shard])])
-        self.block_order = rng.permutation(n_blocks)
-
-    def state_dict(self):
-        return {"epoch": self.epoch, "shard": self.shard, "block": self.block, "seed": self.seed,
-                "files": [os.path.basename(f) for f in self.files]}
-
-    def load_state_dict(self, state):
-        if state["files"] != [os.path.basename(f) for f in self.files] or state["seed"] != self.seed:
-            raise SystemExit("error: the shards in --data_dir or the --seed differ from the checkpoint's; "
-                             "resuming would not continue the same data order")
-        self.epoch, self.shard, self.block = state["epoch"], state["shard"], state["block"]
-        self._load_orders()
-
-    def _next_block(self):
-        """Advance the stream by one block; return (shard array, start offset)."""
-        while self.block == len(self.block_order):  # while: a short shard may have no block at all
-            self.block, self.shard = 0, self.shard + 1
-            if self.shard == len(self.shards):
-                self.shard, self.epoch = 0, self.epoch + 1
-            self._load_orders()
-        tokens = self.shards[self.shard_order[self.shard]]
-        start = int(self.block_order[self.block]) * self.T
-        self.block += 1
-        return tokens, start
-
-    def next_step(self, micro_steps):
-        """This rank's (x, y, None) for each micro-step of one optimizer step (TaskLoader's interface), and None: every
-        position is a target here, so the step's mean loss is the mean of its micro-batches' means."""
-        return [(*self.next_batch(), None) for _ in range(micro_steps)], None
-
-    def next_batch(self):
-        rows = []
-        for i in range(self.world_size * self.B):
-            tokens, start = self._next_block()
-            if i // self.B == self.rank:  # only this rank's blocks are read from disk
-                rows.append(np.asarray(tokens[start:start + self.T + 1], dtype=np.int64))
-        buf = torch.from_numpy(np.stack(rows))
-        return buf[:, :-1].contiguous(), buf[:, 1:].contiguous()  # inputs, and targets shifted by one
-
-class ValLoader:
-    """The first val_tokens//T blocks of the val shards, in order, this rank's share (block i goes
-    to rank i % world_size), in batches of at most B. Which tokens are scored does not depend on
-    B or the world size, so val losses compare across runs."""
-
-    def __init__(self, data_dir, T, val_tokens, B, rank=0, world_size=1):
-        shards = [open_shard(f) for f in find_shards(data_dir, "val")]
-        blocks = [(s, i * T) for s in shards for i in range((len(s) - 1) // T)][:max(1, val_tokens // T)]
-        self.mine, self.T, self.B = blocks[rank::world_size], T, B
-
-    def __iter__(self):
-        for i in range(0, len(self.mine), self.B):
-            rows = [np.asarray(s[o:o + self.T + 1], dtype=np.int64) for s, o in self.mine[i:i + self.B]]
-            buf = torch.from_numpy(np.stack(rows))
-            yield buf[:, :-1].contiguous(), buf[:, 1:].contiguous()

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 import torch
@@ -34,6 +33,7 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 from plumbing import cpu, speedups, world
+from plumbing.checkpoints import atomic_write
 import tokenizer
 
 DEFAULT_DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hellaswag")
@@ -92,35 +92,30 @@ def download(split, data_dir=None, base_url=None):
     path = data_path(split, data_dir)
     by_hand = f"download {url} by hand (from any machine) and save it as {path}"
     import requests
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    # write next to the final file, then rename: a crash or a cut connection leaves no half file behind
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".hellaswag_{split}.", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as f:
+
+    def fetch_and_check(f):  # into the temporary file; a cut connection or a bad line leaves no file behind
+        try:
+            with requests.get(url, stream=True, timeout=(10, 60)) as resp:
+                resp.raise_for_status()
+                total = int(resp.headers.get("content-length", 0)) or None
+                with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                          desc=f"hellaswag_{split}.jsonl") as bar:
+                    for chunk in resp.iter_content(chunk_size=1 << 16):
+                        f.write(chunk)
+                        bar.update(len(chunk))
+                if total is not None and bar.n != total:
+                    raise OSError(f"got {bar.n} of {total} bytes")
+        except (requests.RequestException, OSError) as e:
+            raise HellaSwagError(f"could not download {url} ({type(e).__name__}: {e}); {by_hand}") from None
+        f.flush()
+        with open(f.name, encoding="utf-8") as written:
             try:
-                with requests.get(url, stream=True, timeout=(10, 60)) as resp:
-                    resp.raise_for_status()
-                    total = int(resp.headers.get("content-length", 0)) or None
-                    got = 0
-                    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
-                              desc=f"hellaswag_{split}.jsonl") as bar:
-                        for chunk in resp.iter_content(chunk_size=1 << 16):
-                            f.write(chunk)
-                            got += len(chunk)
-                            bar.update(len(chunk))
-                    if total is not None and got != total:
-                        raise OSError(f"got {got} of {total} bytes")
-            except (requests.RequestException, OSError) as e:
-                raise HellaSwagError(f"could not download {url} ({type(e).__name__}: {e}); {by_hand}") from None
-        with open(tmp, encoding="utf-8") as f:
-            try:
-                parse_examples(f, url)
+                parse_examples(written, url)
             except (HellaSwagError, UnicodeDecodeError) as e:
                 raise HellaSwagError(f"{url} is not HellaSwag data: {e}; {by_hand}") from None
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    atomic_write(path, fetch_and_check)
     return path
 
 
@@ -309,7 +304,7 @@ def main(argv=None):
         examples = examples[:args.limit]
 
     from train_gpt2 import load_model
-    model = load_model(args.model)
+    model, _ = load_model(args.model)
     model.to(args.device).eval()
     if torch.device(args.device).type == "cpu":
         print(cpu.describe_cpu(torch.get_num_threads()))

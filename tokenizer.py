@@ -8,6 +8,7 @@ file's sha256 first so a corrupted or swapped file fails loudly instead of silen
 producing different token ids.
 """
 import base64
+import codecs
 import functools
 import hashlib
 import os
@@ -66,3 +67,23 @@ def encode(text):
 
 def decode(ids):
     return get_encoding().decode(list(ids))
+
+
+def write_stream(ids, out, stop=None, lstrip=False):
+    """Write each token's text to out (a text file) as soon as it is whole, for ids as they come (a generator); stop
+    before the token `stop`; lstrip: show no leading whitespace. Returns the ids written. A token is a sequence of
+    bytes, and one character (an emoji, a Chinese character) may be split over two tokens: an incremental UTF-8
+    decoder holds back an incomplete character until the next token completes it, so the stream never shows half."""
+    enc, utf8, new = get_encoding(), codecs.getincrementaldecoder("utf-8")(errors="replace"), []
+    for token in ids:
+        if token == stop:
+            break
+        new.append(token)
+        text = utf8.decode(enc.decode_single_token_bytes(token))
+        if lstrip:
+            text = text.lstrip()
+            lstrip = not text
+        out.write(text)
+        out.flush()
+    out.write(utf8.decode(b"", final=True))
+    return new

@@ -6,12 +6,11 @@ GPT-2 and its trainer, in one file, for CPUs first (and GPUs too).
     mpirun -n 3 -ppn 1 python train_gpt2.py           # data parallel on three nodes (see README)
 
 Read it top to bottom: the model, the learning rate schedule, checkpoints, the stages of a run, then main(),
-the training story. The data loaders are with the scripts that write the data (fineweb.py: pretraining shards;
-finetune.py: task examples, packed); how the processes live on the machine (launchers, threads, Intel's
-libraries, memory, signals, safe files) is in plumbing/; generation is in sample.py.
+the training story. What it reads is in dataloader.py (the shards fineweb.py writes, cut into blocks; the task
+folders finetune.py writes, packed into rows); how the processes live on the machine (launchers, threads, Intel's
+libraries, memory, signals, safe files) is in plumbing/. sample.py and answer.py generate with the model.
 """
 import argparse
-import glob
 import json
 import math
 import os
@@ -25,14 +24,13 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-import plumbing
-
-from plumbing import checkpoints, cpu, inputs, sharding, speedups, world
+from plumbing import cache_dir, checkpoints, cpu, inputs, sharding, speedups, world
 from plumbing.checkpoints import append_log, checkpoint_path, list_checkpoints, load_checkpoint
-from plumbing.inputs import check_enough_tokens, find_shards, open_shard
-import finetune
-from fineweb import DataLoader, ValLoader
-from finetune import IGNORE, TaskLoader
+from plumbing.fused_loss import IGNORE, lm_head_loss
+from plumbing.inputs import find_shards
+import dataloader
+from dataloader import TaskLoader
+from tokenizer import VOCAB_SIZE
 
 # -----------------------------------------------------------------------------
 # The model: GPT-2 exactly (pre-LayerNorm transformer, tanh GELU, learned positions, tied lm_head)
@@ -55,21 +53,18 @@ class CausalSelfAttention(nn.Module):
         self.c_proj.RESIDUAL_SCALE_INIT = True
         self.n_head, self.n_embd = config.n_head, config.n_embd
 
-    def forward(self, x, kv_cache=None, layer=0, attn_mask=None, lengths=None):
-        """kv_cache: generation's memory of the keys and values seen so far (sample.py's KVCache); attn_mask, lengths:
-        see GPT.hidden."""
+    def forward(self, x, cache=None, layer=0, attn_mask=None, lengths=None):
+        """cache: generation's KVCache (its keys and values of the tokens so far); attn_mask, lengths: see GPT.hidden."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         # (B, T, C) -> (B, n_head, T, head_size): heads become a batch dimension
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if lengths is not None:  # packed rows of examples
             return self.c_proj(packed_attention(q, k, v, lengths).reshape(B, T, C))
-        pos = kv_cache.pos if kv_cache is not None else 0
-        k, v = kv_cache.update(layer, k, v) if kv_cache is not None else (k, v)
-        if attn_mask is None and pos > 0 and T > 1:  # new queries see every cached key, and the new ones up to themselves
-            attn_mask = torch.ones(T, pos + T, dtype=torch.bool, device=x.device).tril(diagonal=pos)
-        # no mask left: causal from position 0 (is_causal: no mask tensor is made), or one new query, which sees all
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None and pos == 0)
+        first = cache is None or cache.pos == 0
+        k, v = cache.update(layer, k, v) if cache is not None else (k, v)
+        # no mask: causal from position 0 (is_causal: no mask tensor is made), or one new query, which sees every key
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None and first)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads side by side
         return self.c_proj(y)
 
@@ -112,82 +107,54 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, kv_cache=None, layer=0, attn_mask=None, lengths=None):
+    def forward(self, x, cache=None, layer=0, attn_mask=None, lengths=None):
         # pre-LayerNorm: the residual stream itself is never normalized, which keeps gradients clean
-        x = x + self.attn(self.ln_1(x), kv_cache, layer, attn_mask, lengths)
+        x = x + self.attn(self.ln_1(x), cache, layer, attn_mask, lengths)
         return x + self.mlp(self.ln_2(x))
 
-# The loss: lm_head and cross-entropy fused, a chunk of positions at a time.
-#
-# The output layer is GPT-2's biggest matrix multiply and its logits are the biggest tensor of a
-# training step: for B=4, T=1024 they are 4096 x 50304 numbers, 824 MB in fp32. The plain
-# F.cross_entropy(lm_head(x), y) writes and reads them many times over (the matmul's bf16 output,
-# its fp32 copy, log_softmax, the gradient of each, the gradient's bf16 copy). But the loss is the
-# last thing forward computes, so its gradient with respect to the logits is known at once:
-#     d mean_loss / d logits = (softmax(logits) - onehot(targets)) / N
-# So we take LOSS_CHUNK positions at a time: their logits, their loss, and that gradient, which two
-# matmuls turn straight into the gradients of x and of the weight; then the chunk's logits are freed.
-# backward() only scales the saved gradients: by 1/N and by its incoming gradient (1/grad_accum_steps).
-# The math is F.cross_entropy's; only the rounding differs (tests/test_perf.py measures by how much).
-# A target of IGNORE (fine-tuning: a prompt token, padding) counts for nothing: N counts the others, and a
-# batch with none has loss 0 (not 0/0). GPT.forward drops such positions before they get here, when it can.
-LOSS_CHUNK = 1024  # positions per chunk: their fp32 logits take 1024 x 50304 x 4 bytes = 206 MB
+# Generation (sample.py, answer.py) feeds one new token per forward: a KVCache keeps every layer's keys and values of
+# the tokens before it, so they are not computed again. Without it, token t would run all t tokens before it through
+# the model again, and a sample would cost the square of its length. The output is the same (tests/test_sample.py).
 
-def lm_head_loss(x, weight, targets):
-    """F.cross_entropy(x @ weight.T, targets, ignore_index=IGNORE) for x (..., C) and targets (...), chunk by chunk,
-    but 0 where nothing is a target. Under autocast the matmuls run in its dtype, as lm_head's would; softmax in fp32."""
-    device_type = x.device.type
-    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-    x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
-    with torch.autocast(device_type, enabled=False):  # the dtypes below are chosen by hand
-        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-            return LMHeadLoss.apply(x, weight, targets, dtype)
-        loss, _, _, n = chunked_loss(x, weight, targets, dtype, grads=False)  # validation: the loss alone
-        return loss / n.clamp(min=1)
+class KVCache:
+    """The keys and values of the tokens seen so far, per layer, in slots 0..pos-1. A batch of prompts of different
+    lengths (answer.py) is left-padded to one length: pads (B,) says how many padding slots start each row. Each row's
+    positions then start at 0 at its first real token (GPT-2's positions are learned: a prompt at positions 5.. would be
+    another input), and no query attends to padding."""
 
-def chunked_loss(x, weight, targets, dtype, grads):
-    """Summed cross-entropy over the targets that count, if grads its gradients with respect to x (N, C) and
-    weight (V, C), and how many targets counted."""
-    N = x.size(0)
-    w = weight.to(dtype)  # one cast of the (tied) weight per call, not one per chunk
-    loss = torch.zeros((), dtype=torch.float32, device=x.device)
-    grad_x = torch.empty_like(x) if grads else None
-    grad_w = torch.zeros_like(weight, dtype=torch.float32) if grads else None  # summed over chunks in fp32
-    counts = targets != IGNORE
-    for i in range(0, N, LOSS_CHUNK):
-        counted = counts[i:i + LOSS_CHUNK, None]
-        yc = targets[i:i + LOSS_CHUNK, None].clamp(min=0)  # (an ignored target reads row 0, then counts for nothing)
-        xc = x[i:i + LOSS_CHUNK].to(dtype)
-        logits = (xc @ w.t()).float()
-        lse = torch.logsumexp(logits, dim=1, keepdim=True)  # the log of softmax's denominator
-        target_logits = logits.gather(1, yc)
-        loss += ((lse - target_logits) * counted).sum()  # -log softmax(logits)[target], summed over the chunk
-        if grads:
-            # softmax in place of the logits, then in the matmuls' dtype, as autocast's backward would use.
-            # torch.compile fuses this with the logsumexp into one pass that writes only the bf16 result.
-            g = logits.sub_(lse).exp_().to(dtype)
-            # minus one-hot(target): the targets' probabilities are recomputed from their logits and
-            # written over g's, so that they are rounded once, like all the others
-            g.scatter_(1, yc, (target_logits - lse).exp_().sub_(1.0).to(dtype))
-            # an ignored position's gradient is zero: its row of grad_x, and its row of xc in grad_w's product
-            grad_x[i:i + LOSS_CHUNK] = (g @ w) * counted
-            grad_w += g.t() @ (xc * counted)
-    return loss, grad_x, grad_w, counts.sum()
+    def __init__(self, n_layer, max_len, pads=None):
+        self.k, self.v, self.max_len, self.pads = [None] * n_layer, [None] * n_layer, max_len, pads
+        self.pos = 0  # how many slots are filled
 
-class LMHeadLoss(torch.autograd.Function):
+    def update(self, layer, k, v):
+        if self.k[layer] is None:  # allocated on first use, in the dtype autocast gave us
+            B, nh, _, hs = k.shape
+            self.k[layer], self.v[layer] = k.new_zeros(B, nh, self.max_len, hs), v.new_zeros(B, nh, self.max_len, hs)
+        T = k.size(2)
+        self.k[layer][:, :, self.pos:self.pos + T] = k
+        self.v[layer][:, :, self.pos:self.pos + T] = v
+        return self.k[layer][:, :, :self.pos + T], self.v[layer][:, :, :self.pos + T]
 
-    @staticmethod
-    def forward(ctx, x, weight, targets, dtype):
-        loss, grad_x, grad_w, n = chunked_loss(x, weight, targets, dtype, grads=True)
-        n = n.clamp(min=1)
-        ctx.save_for_backward(grad_x, grad_w, n)
-        return loss / n
+    def keep(self, rows):
+        """From now on only these batch rows (a 1-D index tensor): the others are done."""
+        self.k, self.v = [k.index_select(0, rows) for k in self.k], [v.index_select(0, rows) for v in self.v]
+        self.pads = self.pads[rows]
 
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad_x, grad_w, n = ctx.saved_tensors
-        scale = grad_loss / n  # the mean's 1/N, applied to these two gradients rather than to all the logits
-        return grad_x * scale, grad_w * scale, None, None
+    def positions_and_mask(self, T, device):
+        """The next T slots' positions, and their queries' mask over every key so far (True: may attend; None: causal)."""
+        assert self.pos + T <= self.max_len, f"{self.pos + T} positions > the cache's {self.max_len}"
+        slots = torch.arange(self.pos + T, device=device)
+        new, keys = slots[self.pos:, None], slots[None, :]
+        if self.pads is None:  # new queries see every cached key, and the new ones up to themselves
+            return slots[self.pos:], keys <= new if self.pos > 0 and T > 1 else None
+        pads = self.pads[:, None, None]
+        # a padding query sees itself: a mask row with no key at all gives 0 in PyTorch's CPU attention but NaN in
+        # some other kernels, and a NaN would spread to the real rows (weight 0 x NaN). Nobody reads padding's output
+        mask = (keys <= new) & (keys >= pads) | (keys == new)
+        return (slots[self.pos:] - pads[:, 0]).clamp(min=0), mask[:, None]
+
+# The loss, F.cross_entropy(lm_head(x), targets), is computed without ever holding all the logits (the biggest tensor
+# of a step: 824 MB for 4 x 1024 positions): plumbing/fused_loss.py takes a chunk of positions at a time.
 
 class GPT(nn.Module):
 
@@ -217,34 +184,61 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def hidden(self, idx, positions=None, attn_mask=None, kv_cache=None, lengths=None):
+    def hidden(self, idx, positions=None, attn_mask=None, cache=None, lengths=None):
         """Token ids (B, T) -> hidden states after ln_f (B, T, n_embd); forward adds lm_head or the loss. A method of its own
         so hellaswag.py can run lm_head on only the positions it scores, in rows it packs with its own positions (B, T; default
-        0..T-1, on from kv_cache's) and attn_mask (bool, True = may attend, broadcast to (B, n_head, T, keys); default causal).
-        lengths: rows packed with examples end to end (1-D, see packed_attention): each attends only within itself."""
+        0..T-1) and attn_mask (bool, True = may attend, broadcast to (B, n_head, T, keys); default causal); a KVCache gives
+        both. lengths: rows packed with examples end to end (1-D, see packed_attention): each attends only within itself."""
         T = idx.size(1)
-        start = kv_cache.pos if kv_cache is not None else 0
-        if positions is None:  # (given ones may outnumber block_size: a packed row of 4 endings can be longer)
-            assert start + T <= self.config.block_size, f"sequence of {start + T} > block_size {self.config.block_size}"
-            positions = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
+        if cache is not None:
+            positions, attn_mask = cache.positions_and_mask(T, idx.device)
+        elif positions is None:  # (given ones may outnumber block_size: a packed row of 4 endings can be longer)
+            assert T <= self.config.block_size, f"sequence of {T} > block_size {self.config.block_size}"
+            positions = torch.arange(T, dtype=torch.long, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)
         for layer, block in enumerate(self.transformer.h):
-            x = block(x, kv_cache, layer, attn_mask, lengths)
-        if kv_cache is not None:
-            kv_cache.pos += T
+            x = block(x, cache, layer, attn_mask, lengths)
+        if cache is not None:
+            cache.pos += T
         return self.transformer.ln_f(x)
 
-    def forward(self, idx, targets=None, kv_cache=None, packed=None, positions=None, attn_mask=None):
-        """packed: a Packed batch (finetune.py's rows): positions restarting and attention staying inside each example,
-        and only the targets' positions (packed.picked) through lm_head. positions, attn_mask: see hidden (sample.answers
-        left-pads prompts in a batch). With a kv_cache (generation), the logits of the last position only."""
+    def forward(self, idx, targets=None, packed=None, cache=None):
+        """Logits (targets None), or the loss. packed: a Packed batch (dataloader.py's task rows): positions restarting and
+        attention staying inside each example, and only the targets' positions (packed.picked) through lm_head. cache: a
+        KVCache (generation), which this call fills in; then the logits of the last position only."""
         if packed is not None:
             x = self.hidden(idx, packed.positions, lengths=packed.lengths).flatten(0, 1)[packed.picked]
             return None, lm_head_loss(x, self.lm_head.weight, targets.flatten()[packed.picked])
-        x = self.hidden(idx, positions, attn_mask, kv_cache)
-        x = x[:, -1:] if kv_cache is not None else x
+        x = self.hidden(idx, cache=cache)
+        x = x[:, -1:] if cache is not None else x
         # training and validation need only the loss: the logits are never all materialized (see lm_head_loss)
         return (self.lm_head(x), None) if targets is None else (None, lm_head_loss(x, self.lm_head.weight, targets))
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+        """Yield (B,) tensors of sampled token ids, one per step, continuing idx (B, T): temperature 0 or top_k 1 is
+        greedy. The prompt fills a KVCache once, then each step feeds only the new token, and only when the caller asks
+        for one more (one that stops at <|endoftext|> costs no extra forward). Once the context is full there is nothing
+        left to cache: each further step recomputes the last block_size tokens, so the output always equals a plain
+        recompute."""
+        block_size = self.config.block_size
+        cache = KVCache(self.config.n_layer, block_size)
+        logits, _ = self(idx[:, -block_size:], cache=cache)
+        for step in range(max_new_tokens):
+            if step > 0:
+                logits, _ = self(next_id, cache=cache) if cache.pos < block_size else self(idx[:, -block_size:])
+            logits = logits[:, -1, :VOCAB_SIZE].float()  # padded vocab ids are never sampled
+            if temperature == 0 or top_k == 1:
+                next_id = logits.argmax(dim=-1, keepdim=True)
+            else:
+                probs = F.softmax(logits / temperature, dim=-1)
+                if top_k is not None:
+                    probs, top_ids = torch.topk(probs, min(top_k, probs.size(-1)), dim=-1)
+                    next_id = torch.gather(top_ids, -1, torch.multinomial(probs, 1, generator=generator))
+                else:
+                    next_id = torch.multinomial(probs, 1, generator=generator)
+            idx = torch.cat((idx, next_id), dim=1)
+            yield next_id.squeeze(1)
 
     @classmethod
     def from_pretrained(cls, name_or_path, build=None):
@@ -286,10 +280,6 @@ CONV1D_WEIGHTS = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weigh
 PADDED_VOCAB_SIZE = 50304  # 50257 rounded up to a multiple of 128: friendlier matrix shapes
 
 # -----------------------------------------------------------------------------
-# Data. Each data script writes its shards and reads them back: fineweb.DataLoader cuts pretraining shards into
-# blocks of T+1 tokens (ValLoader: the val blocks); finetune.TaskLoader packs a task's examples into rows of T.
-
-# -----------------------------------------------------------------------------
 # Learning rate: linear warmup, then cosine decay to min_lr (build-nanogpt's get_lr)
 
 def get_lr(it, warmup_steps, max_steps, max_lr, min_lr):
@@ -305,11 +295,14 @@ def get_lr(it, warmup_steps, max_steps, max_lr, min_lr):
 # Loading a trained model (plumbing/checkpoints.py writes checkpoints safely and reads them back)
 
 def load_model(name_or_path, build=None):
-    """One of our checkpoints (.pt, or .dcp from a sharded run), or what GPT.from_pretrained reads
-    (gpt2..gpt2-xl, a Hugging Face-layout folder)."""
+    """(model, task): one of our checkpoints (.pt, or .dcp from a sharded run), or what GPT.from_pretrained reads
+    (gpt2..gpt2-xl, a Hugging Face-layout folder). task: the task.json dict of the data a fine-tuned model learned
+    (its checkpoint's, or the folder's task.json, which export_hf.py writes); None for a plain language model."""
     if os.path.isfile(name_or_path) or os.path.isfile(os.path.join(name_or_path, "meta.pt")):
-        return GPT.from_checkpoint(load_checkpoint(name_or_path), build)
-    return GPT.from_pretrained(name_or_path, build)
+        ckpt = load_checkpoint(name_or_path)
+        return GPT.from_checkpoint(ckpt, build), ckpt.get("task")
+    task = dataloader.read_task(name_or_path) if os.path.isdir(name_or_path) else None
+    return GPT.from_pretrained(name_or_path, build), task
 
 # -----------------------------------------------------------------------------
 # Command line
@@ -419,6 +412,42 @@ class Run:
             self.matmul_rate = cpu.MatmulRate(self.dtype, config.n_embd)
         return self.matmul_rate.share(self.args.total_batch_size / self.ranks.world_size / dt * self.flops_per_token / 1e9)
 
+# Fine-tuning (--data_dir a folder from finetune.py): its defaults, where the flag is not given (docs/finetuning.md):
+# rows as long as the longest example and about EXAMPLES_PER_STEP examples a step, so that an epoch is many steps;
+# a learning rate 10x lower for a pretrained model than for one from scratch; 5% of the steps warming up, then
+# cosine decay to a tenth; no HellaSwag or samples, but the task's own accuracy at each eval. Measured against a
+# transformers loop on held-out synthetic tasks (bench/compare_hf_finetune.py): 16 examples a step, or 1e-3, lost.
+EXAMPLES_PER_STEP = 8
+FINETUNE_ARGS = dict(epochs=3, hellaswag_interval=0, sample_interval=0, task_examples=200)
+FINETUNE_LR = {"scratch": 5e-4, "pretrained": 5e-5}
+
+def finetuning_defaults(args, given, task, world_size):
+    """Fill in the fine-tuning defaults for the flags not given; --epochs sets --max_steps. Returns the line to print."""
+    if task["splits"]["train"]["examples"] == 0:
+        raise SystemExit(f"error: --data_dir {args.data_dir} holds no training examples")
+    vars(args).update({k: v for k, v in FINETUNE_ARGS.items() if k not in given})
+    train = task["splits"]["train"]
+    if "seq_len" not in given:  # rows as long as the longest example, rounded up to 64
+        args.seq_len = min(-(-train["longest"] // 64) * 64, args.block_size, 1024)
+    if "batch_size" not in given:  # rows per micro-step and rank
+        per_row = args.seq_len / (train["tokens"] / train["examples"] - 1)
+        args.batch_size = max(1, round(EXAMPLES_PER_STEP / per_row / world_size))
+    if "total_batch_size" not in given:
+        args.total_batch_size = args.batch_size * args.seq_len * world_size
+    if "max_lr" not in given:
+        args.max_lr = FINETUNE_LR["scratch" if args.init_from == "scratch" else "pretrained"]
+    args.min_lr = args.min_lr if "min_lr" in given else args.max_lr / 10
+    if "max_steps" not in given:
+        rows = TaskLoader(args.data_dir, "train", 1, args.seq_len, seed=args.seed).rows_in_epochs(args.epochs)
+        args.max_steps = max(1, -(-rows * args.seq_len // args.total_batch_size))
+    args.warmup_steps = args.warmup_steps if "warmup_steps" in given else max(1, args.max_steps // 20)
+    for flag in ("eval_interval", "checkpoint_interval"):
+        if flag not in given:
+            setattr(args, flag, max(1, args.max_steps // 10))
+    return (f"fine-tuning: {train['examples']} examples x {args.epochs} epochs = {args.max_steps} steps "
+            f"of {args.total_batch_size // args.seq_len} rows of {args.seq_len}; lr {args.max_lr:g} -> {args.min_lr:g}, "
+            f"warmup {args.warmup_steps}, eval every {args.eval_interval} (flags override these)")
+
 def resolve_args(argv, ranks):
     """The run's arguments: the command line, or, with --resume, the checkpoint's run arguments overridden by the
     flags given now; the demo's settings when there is no data; fine-tuning's for task data. Returns (args, the task
@@ -447,10 +476,10 @@ def resolve_args(argv, ranks):
         if not args.demo:
             ranks.print0(f"no shards in {args.data_dir}/ (run fineweb.py to make them): running the demo instead")
         vars(args).update({k: v for k, v in DEMO_ARGS.items() if k not in given})
-        args.demo, args.data_dir = True, plumbing.cache_dir("demo")
-    task = finetune.read_task(args.data_dir)  # a finetune.py folder, or None: pretraining shards
+        args.demo, args.data_dir = True, cache_dir("demo")
+    task = dataloader.read_task(args.data_dir)  # a finetune.py folder, or None: pretraining shards
     if task is not None and saved_args is None:
-        ranks.print0(finetune.training_defaults(args, given, task, ranks.world_size))
+        ranks.print0(finetuning_defaults(args, given, task, ranks.world_size))
     if task is None and args.epochs is not None:
         raise SystemExit(f"error: --epochs is for task data (a finetune.py folder); {args.data_dir} holds pretraining "
                          "shards: use --max_steps")
@@ -483,18 +512,7 @@ def open_data_and_lock_log_dir(run):
     args, ranks = run.args, run.ranks
     if args.shard == "full" and not run.sharded:
         ranks.print0("--shard full: with one rank there is nothing to split; training as usual")
-    if args.demo:  # every rank builds (or finds) the shards: the cache is per host, and one that skipped this could read half a file
-        import fineweb
-        fineweb.build_demo_shards(args.data_dir)
-    loader = TaskLoader if run.task is not None else DataLoader
-    train_loader = loader(args.data_dir, "train", args.batch_size, args.seq_len, ranks.rank, ranks.world_size, args.seed)
-    if run.task is not None and args.eval_interval > 0:
-        TaskLoader(args.data_dir, "val", args.batch_size, args.seq_len)  # (checks that every val example fits)
-    elif args.eval_interval > 0:
-        val_files = find_shards(args.data_dir, "val")
-        if not val_files:
-            raise SystemExit(f"error: no shards with 'val' in their name in --data_dir {args.data_dir} (or pass --eval_interval 0)")
-        check_enough_tokens([open_shard(f) for f in val_files], val_files, args.seq_len, "val")
+    train_loader = dataloader.open_training_data(args, run.task, ranks)
     has_run = os.path.exists(os.path.join(args.log_dir, "log.txt")) or list_checkpoints(args.log_dir)
     if has_run and not args.resume and not args.overwrite:
         raise SystemExit(f"error: --log_dir {args.log_dir} already holds a run; continue it with --resume, "
@@ -537,16 +555,14 @@ def build_model(run, ckpt):
     args, ranks = run.args, run.ranks
     torch.manual_seed(args.seed)  # same initial weights on every rank
     def build(config, init_weights=False):  # sharded: weights given to each rank's pieces, unless init_weights
-        token_files = (glob.glob(os.path.join(args.data_dir, "task_*_tokens.npy")) if run.task is not None else
-                       run.train_loader.files + find_shards(args.data_dir, "val"))
-        inputs.check_token_ids(token_files, config.vocab_size, ranks.print0)
+        inputs.check_token_ids(dataloader.token_files(args.data_dir, run.task), config.vocab_size, ranks.print0)
         if run.sharded:
             return sharding.build_sharded(lambda: GPT(config), ranks, run.dtype == "bf16", init_weights)
         return GPT(config)
     if ckpt is not None and not ckpt["sharded_path"]:
         model = GPT.from_checkpoint(ckpt, build)
     elif ckpt is None and args.init_from != "scratch":
-        model = load_model(args.init_from, build)
+        model, _ = load_model(args.init_from, build)
     else:  # from scratch; or the shapes for a sharded checkpoint's weights (read with its AdamW state, in prepare_training)
         config = GPTConfig(**ckpt["config"]) if ckpt is not None else GPTConfig(
             block_size=args.block_size, vocab_size=PADDED_VOCAB_SIZE, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
@@ -591,22 +607,6 @@ def prepare_training(run, ckpt, ckpt_file):
         model = DDP(model, device_ids=[ranks.local_rank] if run.device_type == "cuda" else None)
     return model, optimizer, compiled, start_step
 
-def val_batches(run):
-    """This rank's val batches, (x, y, Packed or None): the same val tokens (pretraining) or every val example (task
-    data) whatever the batch size or world size. Sharded, padded with None to the most any rank has: every rank must
-    join every forward's all-gathers."""
-    args, ranks = run.args, run.ranks
-    if run.task is not None:
-        batches = TaskLoader(args.data_dir, "val", args.batch_size, args.seq_len, ranks.rank, ranks.world_size).val_batches()
-    else:
-        batches = [(x, y, None) for x, y in ValLoader(args.data_dir, args.seq_len, args.val_tokens, args.batch_size,
-                                                       ranks.rank, ranks.world_size)]
-    if run.sharded:
-        most = torch.tensor(len(batches))
-        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-        batches += [None] * (int(most) - len(batches))
-    return batches
-
 def evaluate(run, step, due):
     """This step's evaluations, each when due: val loss, task accuracy, HellaSwag, samples. Returns the val loss (or None)."""
     args, ranks, model = run.args, run.ranks, run.raw_model
@@ -615,7 +615,7 @@ def evaluate(run, step, due):
     if due(args.eval_interval):  # the mean loss over every val target
         stats = torch.zeros(2, dtype=torch.float64, device=ranks.device)  # summed loss, target count
         with torch.no_grad():
-            for batch in val_batches(run):
+            for batch in dataloader.val_batches(args, run.task, ranks, lockstep=run.sharded):
                 x, y, packed = batch if batch is not None else (torch.zeros(1, args.seq_len, dtype=torch.long),) * 2 + (None,)
                 with run.autocast:
                     _, loss = model(x.to(ranks.device), y.to(ranks.device), packed=packed and packed.to(ranks.device))
@@ -626,8 +626,9 @@ def evaluate(run, step, due):
         append_log(args.log_dir, ranks, f"{step} val {val_loss:.4f}")
         if run.task is not None and run.task["splits"]["val"]["examples"] > 0:  # do the answers come out right?
             n = min(args.task_examples, run.task["splits"]["val"]["examples"])
-            acc, _ = finetune.task_accuracy(model, args.data_dir, run.autocast, n=n, ranks=ranks,
-                                            lockstep=run.sharded)  # (sharded: every rank answers every example)
+            import answer
+            acc, _ = answer.task_accuracy(model, args.data_dir, run.autocast, n=n, ranks=ranks,
+                                          lockstep=run.sharded)  # (sharded: every rank answers every example)
             ranks.print0(f"task accuracy: {acc:.4f} (greedy answers to {n} val examples)")
             append_log(args.log_dir, ranks, f"{step} task {acc:.4f}")
     if run.hellaswag is not None and due(args.hellaswag_interval):

@@ -16,7 +16,7 @@ This file holds what they all share: one-line errors and the cache folder with i
 """
 import json
 import os
-import tempfile
+import threading
 
 def one_line(e):
     """An exception as one line: errors we report must fit on one."""
@@ -39,17 +39,12 @@ def read_json(path):
     return obj if isinstance(obj, dict) else {}
 
 def write_json(path, obj):
-    """A small cache file, replaced whole: ranks on one host (or two runs) may write at once, each to a
-    temporary file of its own (mkstemp: unique per process and thread), and the last rename wins; a reader
-    sees the old file or a new one, never half of one. A read-only cache only makes the next run work it
-    out again."""
-    tmp = None
+    """A small cache file, replaced whole (checkpoints.atomic_write): ranks on one host (or two runs) may write at
+    once, each to a temporary file of its own, and the last rename wins; a reader sees the old file or a new one,
+    never half of one. A read-only cache only makes the next run work it out again."""
+    from plumbing.checkpoints import atomic_write  # (here: checkpoints imports this file)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f)
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: f.write(json.dumps(obj).encode()), f"{path}.{os.getpid()}.{threading.get_ident()}.tmp")
     except OSError:
-        if tmp is not None and os.path.exists(tmp):
-            os.remove(tmp)
+        pass

@@ -20,23 +20,31 @@ import torch
 
 from plumbing import one_line
 
-def atomic_save(obj, path):
-    """torch.save to path.tmp, then rename: readers see the old file or the new one, never a mix.
-    A failed write (a full disk, say) removes the partial .tmp and ends with one error line."""
-    tmp = path + ".tmp"
+def atomic_write(path, write, tmp=None):
+    """write(f) to a temporary file (path.tmp, or tmp: ranks on one host writing the same file each need their own),
+    flushed to the disk, then renamed to path. The rename is atomic, so path is either the old file or the complete new
+    one, never a half-written one, even after kill -9 or a power cut. A failed write removes the temporary file."""
+    tmp = tmp or path + ".tmp"
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
-    except (OSError, RuntimeError) as e:
+        os.replace(tmp, path)
+    except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
+        raise
+
+def atomic_save(obj, path):
+    """torch.save, atomically (atomic_write). A failed write (a full disk, say) ends with one error line."""
+    try:
+        atomic_write(path, lambda f: torch.save(obj, f))
+    except (OSError, RuntimeError) as e:
         # torch reports a failed write as "[enforce fail at inline_container.cc...]"; the OS's reason is more use
         cause = e if isinstance(e, OSError) else e.__cause__ or e.__context__ or e
         free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
         raise SystemExit(f"error: cannot write {path} ({one_line(cause)}; {free / 2**20:.0f} MiB free there)") from None
-    os.replace(tmp, path)
 
 def check_free_space(folder, needed, what):
     """One error line before training when a file we will write cannot fit."""
@@ -82,9 +90,7 @@ def prepare_log_dir(log_dir, run_args, overwrite, fresh):
         shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)
     open(os.path.join(log_dir, "log.txt"), "w" if overwrite else "a").close()
     if fresh:
-        with open(os.path.join(log_dir, "args.json.tmp"), "w") as f:
-            json.dump(run_args, f, indent=1)
-        os.replace(os.path.join(log_dir, "args.json.tmp"), os.path.join(log_dir, "args.json"))
+        atomic_write(os.path.join(log_dir, "args.json"), lambda f: f.write(json.dumps(run_args, indent=1).encode()))
 
 def load_checkpoint(path):
     """A checkpoint file; or a sharded run's folder, whose meta.pt has all but the weights and AdamW state

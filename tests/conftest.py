@@ -116,3 +116,75 @@ def write_hellaswag(folder, examples):
     with open(os.path.join(folder, "hellaswag_val.jsonl"), "w") as f:
         f.writelines(json.dumps(ex) + "\n" for ex in examples)
     return str(folder)
+
+
+# Tiny models that answer: greedy continuations to compare KV-cached and batched generation with
+
+def varied_model(block_size=48):
+    """A random tiny GPT whose greedy continuations do not just repeat one token: embeddings and
+    weights larger than the training init (which makes near-uniform logits and loops)."""
+    import torch
+    from train_gpt2 import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=block_size, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 1.0 if "wte" in name or "wpe" in name else 0.3 if p.dim() == 2 else 0.1)
+    return model
+
+
+def greedy_reference(model, ids, max_new_tokens):
+    """A greedy answer the plain way: the whole sequence through the model for every token, no cache; it stops at
+    <|endoftext|> (not included), after max_new_tokens, or where the context ends."""
+    import torch
+    from tokenizer import EOT, VOCAB_SIZE
+    ids, new = list(ids), []
+    with torch.no_grad():
+        while len(new) < max_new_tokens and len(ids) < model.config.block_size:
+            next_id = int(model(torch.tensor([ids]))[0][0, -1, :VOCAB_SIZE].argmax())
+            if next_id == EOT:
+                break
+            new.append(next_id)
+            ids.append(next_id)
+    return new
+
+
+def say_eot_at(model, ids, k):
+    """Make <|endoftext|> the greedy pick at step k of the answer to ids; returns the k tokens before it. Its
+    (tied) embedding row becomes the row of the token greedy picks there, nudged towards that step's hidden
+    state, so it wins there by a hair; where that token was picked before, it may win earlier (callers check)."""
+    import torch
+    from tokenizer import EOT
+    free = greedy_reference(model, ids, k + 1)
+    assert len(free) == k + 1
+    with torch.no_grad():
+        h = model.hidden(torch.tensor([ids + free[:k]]))[0, -1]  # the state that picks free[k]
+        model.lm_head.weight[EOT] = model.lm_head.weight[free[k]] + 1e-3 * h / h.norm()
+    return free[:k]
+
+
+# Fine-tuned checkpoints made by hand: a task.json dict, and the checkpoint that carries it
+
+def task_of(fmt, templates=None, block_size=64):
+    """A task.json dict as finetune.py writes it (the fields answer.py and sample.py read, and the counts around them)."""
+    import tasks
+    return {"kind": "task", "version": 1, "format": fmt, "formats": {fmt: 20}, "templates": templates or tasks.TEMPLATES,
+            "train_on": "completion", "max_len": block_size, "answer_regex": None}
+
+
+def save_task_checkpoint(path, model, task):
+    """A checkpoint as train_gpt2.py writes it for a task run: its config, weights and task."""
+    import torch
+    from dataclasses import asdict
+    torch.save({"config": asdict(model.config), "model": model.state_dict(), "step": 5, "task": task}, path)
+    return str(path)
+
+
+def record_prompts(monkeypatch, module, name):
+    """The token ids of every prompt that module.name (model, ids, ...) answers, in order; it still does the work."""
+    seen, real = [], getattr(module, name)
+    def recording(model, ids, *args, **kwargs):
+        seen.append(list(ids))
+        return real(model, ids, *args, **kwargs)
+    monkeypatch.setattr(module, name, recording)
+    return seen

@@ -13,7 +13,9 @@ from conftest import REPO
 sys.path.insert(0, os.path.join(REPO, "bench"))
 import bench_finetune  # noqa: E402
 from plumbing import cpu  # noqa: E402
-from train_gpt2 import GPT, GPTConfig, TaskLoader  # noqa: E402
+import dataloader  # noqa: E402
+from dataloader import TaskLoader  # noqa: E402
+from train_gpt2 import GPT, GPTConfig  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -30,14 +32,13 @@ def test_flops_of_whole_rows_are_bench_train_s():
 def test_padded_batch_is_the_packed_rows_examples_with_the_same_loss(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
     import export_hf
-    import finetune
     bench_finetune.write_examples(tmp_path, 40, 5, 30)
     loader = TaskLoader(tmp_path, "train", 2, 64, seed=bench_finetune.SEED)
     rows = loader.rows[:2]
     order = bench_finetune.example_order(tmp_path, 2, 64)
     assert order[:sum(map(len, rows))] == [i for row in rows for i in row]  # the same examples, in the same order
     x, y, packed = loader.batch(rows)
-    ids, mask, labels = bench_finetune.padded_batch(*finetune.open_split(tmp_path, "train"), [i for r in rows for i in r])
+    ids, mask, labels = bench_finetune.padded_batch(*dataloader.open_split(tmp_path, "train"), [i for r in rows for i in r])
     assert mask.sum(1).tolist() == [loader.lengths[i] + 1 for r in rows for i in r]  # each example's tokens, unpadded
     assert labels[:, 1:][labels[:, 1:] != -100].tolist() == y[y != -100].tolist()  # the same targets, in order
     torch.manual_seed(0)

@@ -29,7 +29,7 @@ from conftest import REPO, make_shards, read_log, run_train, tiny_run_args
 
 from plumbing.world import choose_backend, detect_launch
 from plumbing.cpu import cpu_list, physical_cores, ranks_sharing_cpus
-from train_gpt2 import DataLoader
+from dataloader import DataLoader
 
 FAKE_CCL = os.path.join(REPO, "tests", "fake_ccl")
 EQUAL = ["--batch_size", "2", "--total_batch_size", "384"]  # 6, 3 or 2 micro-steps on 1, 2 or 3 ranks
@@ -103,7 +103,7 @@ def checkpoint_val(log_dir, step):
 def final_weights_diff(log_a, log_b):
     """The largest difference between the final weights of two runs, read from their last checkpoints
     (one file, or a sharded folder: load_model reads either)."""
-    a, b = (train_gpt2.load_model(train_gpt2.list_checkpoints(str(d))[-1]).state_dict() for d in (log_a, log_b))
+    a, b = (train_gpt2.load_model(train_gpt2.list_checkpoints(str(d))[-1])[0].state_dict() for d in (log_a, log_b))
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 

@@ -10,11 +10,13 @@ import pytest
 import torch
 
 import export_hf
-import sample
 import tokenizer
 from conftest import REPO, make_shards, run_train, tiny_run_args
 from test_model import save_random_hf_gpt2
 from train_gpt2 import GPT, GPTConfig, load_model
+import answer
+import sample
+import tasks
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # everything below must work with no network
 
@@ -41,7 +43,7 @@ def assert_same_as_transformers(ours, folder):
     print(f"max abs logit difference vs transformers: {diff:.2e}")
     assert diff <= 1e-5
     prompt = tokenizer.encode("The meaning of life is")
-    ours_greedy = sample.stream_sample(ours, prompt, 12, top_k=1, out=io.StringIO())  # sample.py --top_k 1
+    ours_greedy = [int(t) for t in ours.generate(torch.tensor([prompt]), 12, top_k=1)]  # sample.py --top_k 1
     theirs_greedy = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
                                 pad_token_id=tokenizer.EOT)[0, len(prompt):].tolist()
     assert ours_greedy == theirs_greedy
@@ -81,21 +83,20 @@ def test_fine_tuned_checkpoint(tmp_path):
     proc = run_export(ckpt, tmp_path / "hf")
     assert proc.returncode == 0, proc.stderr
     assert "exported" in proc.stderr and proc.stdout == ""
-    assert_same_as_transformers(load_model(str(ckpt)), str(tmp_path / "hf"))
+    assert_same_as_transformers(load_model(str(ckpt))[0], str(tmp_path / "hf"))
 
 
 def test_fine_tuned_on_a_task(tmp_path, capsys):
     """A checkpoint that carries its task: task.json goes into the folder, sample.py --init_from reads it, and
     transformers' greedy generate, stopping at <|endoftext|>, gives our answer to a rendered prompt token for token."""
-    import finetune
-    from test_chat import eot_at_a_new_token, save, task_of
-    from test_sample import varied_model
+    from conftest import save_task_checkpoint, task_of, varied_model
+    from test_sample import eot_at_a_new_token
     from transformers import GPT2LMHeadModel
     model, task = varied_model(64), task_of("chat")
-    ids = finetune.prompt_ids(task, [{"role": "user", "content": "What is two plus two?"}])
+    ids = tasks.prompt_ids(task, [{"role": "user", "content": "What is two plus two?"}])
     ours = eot_at_a_new_token(model, ids, 6)
-    assert sample.answer(model, ids, 40) == ours and len(ours) >= 6
-    ckpt = save(tmp_path / "model.pt", model, task)
+    assert answer.answers(model, [ids], 40)[0] == ours and len(ours) >= 6
+    ckpt = save_task_checkpoint(tmp_path / "model.pt", model, task)
     proc = run_export(ckpt, tmp_path / "hf")
     assert proc.returncode == 0, proc.stderr
     assert sorted(os.listdir(tmp_path / "hf")) == sorted([*export_hf.FILES, "task.json"])

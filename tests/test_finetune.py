@@ -1,7 +1,7 @@
 """Tests for finetune.py: rendering and its templates (written out here from the documentation, not taken from
 finetune.py), the target mask, bad input (one 'file:line' message each, counted, every good example kept), too-long
-examples, the val choice, byte-identical output, the Hugging Face streaming path on a local folder, task accuracy
-against a plain greedy loop (one process and two ranks), --eval on a Hugging Face-layout model, and the demo task.
+examples, the val choice, byte-identical output, the Hugging Face streaming path on a local folder, and the demo task.
+(Scoring a model's answers is answer.py's: tests/test_answer.py.)
 
 Run: pytest tests/test_finetune.py -q   (everything is made in tmp_path; no network)
 """
@@ -18,7 +18,9 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+import dataloader  # noqa: E402
 import finetune  # noqa: E402
+import tasks  # noqa: E402
 from tokenizer import EOT, decode, encode as enc  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -55,7 +57,7 @@ def prepare(*args):
 
 
 def read_split(out_dir, split):
-    tokens, targets, examples = finetune.open_split(str(out_dir), split)
+    tokens, targets, examples = dataloader.open_split(str(out_dir), split)
     return [(tokens[s:e].tolist(), targets[s:e].tolist(), a - s) for s, a, e in examples.tolist()]
 
 
@@ -72,7 +74,7 @@ PAIRS = [("What is 2 + 2?", " 4"), ("x =", "42"), ("Translate: chat ->", " cat\n
 
 @pytest.mark.parametrize("prompt,completion", PAIRS)
 def test_prompt_completion_is_exactly_the_two_encodings_and_eot(prompt, completion):
-    ids, targets, answer_start = finetune.render({"prompt": prompt, "completion": completion})
+    ids, targets, answer_start = tasks.render({"prompt": prompt, "completion": completion})
     assert ids == enc(prompt) + enc(completion) + [EOT]
     assert answer_start == len(enc(prompt))
     assert targets == [0] * len(enc(prompt)) + [1] * (len(enc(completion)) + 1)
@@ -84,7 +86,7 @@ def test_the_mask_boundary_does_not_move_where_bpe_would_merge():
     """Encoded as one text, 'The answer is ' + '42' gives the token ' 42', half prompt and half answer: the
     pieces are encoded apart, so the answer's tokens are exactly its own."""
     assert enc("The answer is 42") != enc("The answer is ") + enc("42")
-    ids, targets, _ = finetune.render({"prompt": "The answer is ", "completion": "42"})
+    ids, targets, _ = tasks.render({"prompt": "The answer is ", "completion": "42"})
     assert ids == enc("The answer is ") + enc("42") + [EOT]
     assert target_runs(ids, targets) == ["42<|endoftext|>"]
 
@@ -94,7 +96,7 @@ def test_alpaca_template_as_documented(given_input):
     example = {"instruction": "Name a colour.", "output": "Blue."}
     if given_input is not None:
         example["input"] = given_input
-    ids, targets, answer_start = finetune.render(example)
+    ids, targets, answer_start = tasks.render(example)
     if given_input and given_input.strip():
         prompt = ALPACA_INPUT.format(instruction="Name a colour.", input=given_input)
     else:
@@ -108,7 +110,7 @@ def test_chat_template_as_documented_multi_turn_with_system():
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                 {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"},
                 {"role": "assistant", "content": "4"}]
-    ids, targets, answer_start = finetune.render({"messages": messages})
+    ids, targets, answer_start = tasks.render({"messages": messages})
     expected = (enc("System: Be brief.\n") + enc("User: Hi\n") + enc("Assistant:") + enc(" Hello.") + [EOT]
                 + enc("\n") + enc("User: 2+2?\n") + enc("Assistant:"))
     assert ids == expected + enc(" 4") + [EOT]
@@ -116,15 +118,15 @@ def test_chat_template_as_documented_multi_turn_with_system():
     # the targets are exactly each assistant content and its EOT
     assert target_runs(ids, targets) == [" Hello.<|endoftext|>", " 4<|endoftext|>"]
     # no system turn: the first user turn starts the example
-    ids, targets, _ = finetune.render({"messages": messages[1:3]})
+    ids, targets, _ = tasks.render({"messages": messages[1:3]})
     assert ids == enc("User: Hi\n") + enc("Assistant:") + enc(" Hello.") + [EOT]
 
 
 def test_train_on_all_makes_every_token_but_the_first_a_target():
     for example in ({"prompt": "Q: why?", "completion": " because"},
                     {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}):
-        ids, targets, answer_start = finetune.render(example, train_on="all")
-        assert ids == finetune.render(example)[0] and answer_start == finetune.render(example)[2]
+        ids, targets, answer_start = tasks.render(example, train_on="all")
+        assert ids == tasks.render(example)[0] and answer_start == tasks.render(example)[2]
         assert targets == [0] + [1] * (len(ids) - 1)
 
 
@@ -134,14 +136,14 @@ def test_prompt_ids_are_what_the_model_saw_before_its_answer():
                 "chat": ({"messages": [{"role": "user", "content": "hey"}, {"role": "assistant", "content": "yo"}]},
                          "hey")}
     for fmt, (example, prompt) in examples.items():
-        task = {"format": fmt, "formats": {fmt: 1}, "templates": finetune.TEMPLATES}
-        ids, _, answer_start = finetune.render(example)
-        assert finetune.prompt_ids(task, prompt) == ids[:answer_start]
+        task = {"format": fmt, "formats": {fmt: 1}, "templates": tasks.TEMPLATES}
+        ids, _, answer_start = tasks.render(example)
+        assert tasks.prompt_ids(task, prompt) == ids[:answer_start]
     chat = [{"role": "system", "content": "S"}, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
             {"role": "user", "content": "c"}]
-    ids, _, answer_start = finetune.render({"messages": chat + [{"role": "assistant", "content": "d"}]})
-    task = {"format": "chat", "formats": {"chat": 1}, "templates": finetune.TEMPLATES}
-    assert finetune.prompt_ids(task, chat) == ids[:answer_start]
+    ids, _, answer_start = tasks.render({"messages": chat + [{"role": "assistant", "content": "d"}]})
+    task = {"format": "chat", "formats": {"chat": 1}, "templates": tasks.TEMPLATES}
+    assert tasks.prompt_ids(task, chat) == ids[:answer_start]
 
 
 # --- the folder --------------------------------------------------------------------------------
@@ -159,13 +161,13 @@ def test_folder_layout_and_counts(tmp_path, capsys):
     on_disk = json.loads((out / "task.json").read_text())
     assert on_disk == task and task["kind"] == "task" and task["version"] == 1
     assert task["format"] == "mixed" and task["formats"] == {"alpaca": 1, "chat": 1, "prompt_completion": 30}
-    assert task["templates"] == finetune.TEMPLATES and task["answer_regex"] == r"(\d+)"
+    assert task["templates"] == tasks.TEMPLATES and task["answer_regex"] == r"(\d+)"
     assert task["train_on"] == "completion" and task["max_len"] == 1024 and task["dropped"] == {}
-    rendered = [finetune.render(r) for r in rows]
+    rendered = [tasks.render(r) for r in rows]
     got = read_split(out, "train") + read_split(out, "val")
     assert sorted(map(str, got)) == sorted(map(str, rendered))
     for split in finetune.SPLITS:
-        tokens, targets, examples = finetune.open_split(str(out), split)
+        tokens, targets, examples = dataloader.open_split(str(out), split)
         assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint16 and targets.dtype == np.uint8
         assert examples.dtype == np.int64 and examples.shape[1] == 3 and len(tokens) == len(targets)
         assert examples[0, 0] == 0 and examples[-1, 2] == len(tokens) and (examples[1:, 0] == examples[:-1, 2]).all()
@@ -186,13 +188,13 @@ def test_val_choice_is_deterministic_whole_examples_in_input_order(tmp_path):
         prepare("--input", src, "--output_dir", tmp_path / name, "--seed", seed)
         val = [decode(ids) for ids, _, _ in read_split(tmp_path / name, "val")]
         train = [decode(ids) for ids, _, _ in read_split(tmp_path / name, "train")]
-        everything = [decode(finetune.render(r)[0]) for r in qa_rows(50)]
+        everything = [decode(tasks.render(r)[0]) for r in qa_rows(50)]
         assert len(val) == 5   # default: 10%
         assert sorted(val + train, key=everything.index) == everything and not set(val) & set(train)
         assert val == sorted(val, key=everything.index) and train == sorted(train, key=everything.index)
         order[name] = val
     assert order["a"] == order["b"] and order["a"] != order["c"]
-    assert order["a"] != [decode(finetune.render(r)[0]) for r in qa_rows(5)]   # not simply the first ones
+    assert order["a"] != [decode(tasks.render(r)[0]) for r in qa_rows(5)]   # not simply the first ones
     assert [finetune.default_val_examples(n) for n in (0, 1, 2, 9, 10, 25, 1999, 5000)] == [0, 0, 1, 1, 1, 2, 199, 200]
 
 
@@ -200,12 +202,12 @@ def test_val_examples_zero_and_val_input(tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", qa_rows(8))
     task = prepare("--input", src, "--output_dir", tmp_path / "none", "--val_examples", 0)
     assert task["splits"]["val"] == {"examples": 0, "tokens": 0, "targets": 0, "longest": 0}
-    tokens, targets, examples = finetune.open_split(str(tmp_path / "none"), "val")
+    tokens, targets, examples = dataloader.open_split(str(tmp_path / "none"), "val")
     assert len(tokens) == 0 and examples.shape == (0, 3)
     val = write_jsonl(tmp_path / "val.jsonl", qa_rows(3, start=100))
     prepare("--input", src, "--val_input", val, "--output_dir", tmp_path / "given")
-    assert [r[0] for r in read_split(tmp_path / "given", "val")] == [finetune.render(r)[0] for r in qa_rows(3, 100)]
-    assert [r[0] for r in read_split(tmp_path / "given", "train")] == [finetune.render(r)[0] for r in qa_rows(8)]
+    assert [r[0] for r in read_split(tmp_path / "given", "val")] == [tasks.render(r)[0] for r in qa_rows(3, 100)]
+    assert [r[0] for r in read_split(tmp_path / "given", "train")] == [tasks.render(r)[0] for r in qa_rows(8)]
     with pytest.raises(SystemExit, match="leaves no train example"):
         prepare("--input", src, "--output_dir", tmp_path / "all", "--val_examples", 8)
 
@@ -293,7 +295,7 @@ def test_each_bad_line_gets_its_message_and_every_good_example_goes_through(tmp_
         expected_counts[reason] = expected_counts.get(reason, 0) + 1
     assert task["dropped"] == expected_counts
     good = [row for row in lines if isinstance(row, dict) and any(row is g for g in GOOD)]
-    assert [r[0] for r in read_split(tmp_path / "out", "train")] == [finetune.render(g)[0] for g in good]
+    assert [r[0] for r in read_split(tmp_path / "out", "train")] == [tasks.render(g)[0] for g in good]
 
 
 def test_no_usable_example_is_a_one_line_error(tmp_path):
@@ -314,7 +316,6 @@ def test_no_usable_example_is_a_one_line_error(tmp_path):
     (["--input", "{tmp}/ok.jsonl", "--answer_regex", "####"], "error: --answer_regex '####' has no group"),
     (["--input", "{tmp}/ok.jsonl", "--answer_regex", "(("], "error: --answer_regex '((':"),
     (["--input", "{tmp}/ok.jsonl", "--max_len", "0"], "error: --max_len must be at least 1"),
-    (["--eval", "--input", "{tmp}/ok.jsonl"], "error: --eval needs --ckpt_path and --input"),
     (["--input", "{tmp}/ok.jsonl"], "error: give --input and --output_dir"),
 ])
 def test_bad_flags_are_one_line_errors(tmp_path, args, message):
@@ -344,29 +345,29 @@ def test_too_long_cut_keeps_the_answer_and_eot_drop_drops(tmp_path, capsys):
     got = read_split(tmp_path / "cut", "train")
     assert len(got) == 3
     for (ids, targets, answer_start), row in zip(got, [rows[0], rows[1], rows[3]]):
-        full, full_targets, full_answer = finetune.render(row)
+        full, full_targets, full_answer = tasks.render(row)
         assert len(ids) - 1 <= 20 and ids == full[-len(ids):]   # cut from the left only
         assert answer_start >= 1 and ids[answer_start:] == full[full_answer:]   # the last answer and EOT whole
         assert targets[0] == 0 and targets[1:] == full_targets[-len(ids) + 1:]
-    assert len(got[0][0]) - 1 == 20 and got[1][0] == finetune.render(rows[1])[0]
+    assert len(got[0][0]) - 1 == 20 and got[1][0] == tasks.render(rows[1])[0]
 
     task = prepare("--input", src, "--output_dir", tmp_path / "drop", "--max_len", 20, "--too_long", "drop",
                    "--val_examples", 0)
     err = capsys.readouterr().err
     assert task["cut"] == 0 and task["dropped"] == {"too long": 3} and "(--too_long drop)" in err
-    assert [r[0] for r in read_split(tmp_path / "drop", "train")] == [finetune.render(rows[1])[0]]
+    assert [r[0] for r in read_split(tmp_path / "drop", "train")] == [tasks.render(rows[1])[0]]
 
 
 def test_cut_at_the_limit():
-    ids, targets, answer_start = finetune.render({"prompt": "a b c d e", "completion": " f"})
+    ids, targets, answer_start = tasks.render({"prompt": "a b c d e", "completion": " f"})
     n = len(ids)
-    assert finetune.fit(ids, targets, answer_start, n - 1, "cut")[3] is None   # exactly fits
-    cut_ids, cut_targets, cut_answer, note = finetune.fit(ids, targets, answer_start, n - 2, "cut")
+    assert tasks.fit(ids, targets, answer_start, n - 1, "cut")[3] is None   # exactly fits
+    cut_ids, cut_targets, cut_answer, note = tasks.fit(ids, targets, answer_start, n - 2, "cut")
     assert cut_ids == ids[1:] and cut_answer == answer_start - 1 and note
     shortest = len(ids) - answer_start   # one prompt token + the answer and EOT: that many positions
-    assert finetune.fit(ids, targets, answer_start, shortest, "cut")[2] == 1
-    with pytest.raises(finetune.BadExample, match="too long"):
-        finetune.fit(ids, targets, answer_start, shortest - 1, "cut")
+    assert tasks.fit(ids, targets, answer_start, shortest, "cut")[2] == 1
+    with pytest.raises(tasks.BadExample, match="too long"):
+        tasks.fit(ids, targets, answer_start, shortest - 1, "cut")
 
 
 # --- other sources -----------------------------------------------------------------------------
@@ -384,13 +385,13 @@ def test_parquet_and_globs_and_columns(tmp_path):
     write_jsonl(tmp_path / "b.jsonl", qa_rows(3, start=50))
     prepare("--input", str(tmp_path / "*"), "--output_dir", tmp_path / "out", "--val_examples", 0)
     assert [r[0] for r in read_split(tmp_path / "out", "train")] == \
-        [finetune.render(r)[0] for r in qa_rows(9) + qa_rows(3, start=50)]
+        [tasks.render(r)[0] for r in qa_rows(9) + qa_rows(3, start=50)]
     # --columns maps a local file's keys too; only the mapped ones are kept
     src = write_jsonl(tmp_path / "gsm.jsonl", GSM_LIKE)
     prepare("--input", src, "--columns", "prompt=question,completion=answer", "--output_dir", tmp_path / "gsm",
             "--val_examples", 0)
     assert [r[0] for r in read_split(tmp_path / "gsm", "train")] == \
-        [finetune.render({"prompt": r["question"], "completion": r["answer"]})[0] for r in GSM_LIKE]
+        [tasks.render({"prompt": r["question"], "completion": r["answer"]})[0] for r in GSM_LIKE]
 
 
 def test_hugging_face_streaming_path_on_a_local_dataset_folder(tmp_path, monkeypatch):
@@ -405,7 +406,7 @@ def test_hugging_face_streaming_path_on_a_local_dataset_folder(tmp_path, monkeyp
     flags = ["--columns", "prompt=question,completion=answer", "--answer_regex", "#### (.*)"]
     task = prepare("--input", ds, "--output_dir", tmp_path / "out", "--val_examples", 0, *flags)
     assert [r[0] for r in read_split(tmp_path / "out", "train")] == \
-        [finetune.render({"prompt": r["question"], "completion": r["answer"]})[0] for r in GSM_LIKE[:8]]
+        [tasks.render({"prompt": r["question"], "completion": r["answer"]})[0] for r in GSM_LIKE[:8]]
     assert task["inputs"] == [str(ds)]
     task = prepare("--input", ds, "--hf_split", "test", "--output_dir", tmp_path / "test", "--val_examples", 0, *flags)
     assert task["splits"]["train"]["examples"] == 4 and task["dropped"] == {"empty answer": 1}
@@ -417,155 +418,10 @@ def test_hugging_face_streaming_path_on_a_local_dataset_folder(tmp_path, monkeyp
         prepare("--input", "no-such-user/no-such-dataset", "--output_dir", tmp_path / "y")
 
 
-# --- task accuracy ------------------------------------------------------------------------------
-
-def tiny_model(seed=0, block_size=64):
-    from train_gpt2 import GPT, GPTConfig
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(block_size=block_size, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)).eval()
-
-
-@torch.no_grad()
-def greedy_reference(model, ids, max_new_tokens):
-    """The plain greedy loop: the whole sequence through the model every step, no cache."""
-    out = []
-    for _ in range(max_new_tokens):
-        logits, _ = model(torch.tensor([ids + out]))
-        nxt = int(logits[0, -1, :50257].argmax())
-        if nxt == EOT:
-            break
-        out.append(nxt)
-    return out
-
-
-def known_examples(model, prompts, max_new_tokens):
-    """Examples whose right answer is the model's own greedy answer (every other one), or another text."""
-    examples = []
-    for i, prompt in enumerate(prompts):
-        got = decode(greedy_reference(model, enc(prompt), max_new_tokens))
-        examples.append((enc(prompt), f"  {got} " if i % 2 == 0 else got + " nope"))
-    return examples
-
-
-def test_task_accuracy_against_a_plain_greedy_loop():
-    model = tiny_model()
-    prompts = [f"Question {i}: what comes next?" for i in range(6)]
-    examples = known_examples(model, prompts, 5)
-    accuracy, results = finetune.task_accuracy(model, examples, max_new_tokens=5)
-    assert accuracy == 3 / 6   # the even ones: the same answer up to whitespace
-    assert [r[0] for r in results] == prompts
-    assert [r[2] for r in results] == [decode(greedy_reference(model, enc(p), 5)) for p in prompts]
-    assert [r[1] for r in results] == [e[1] for e in examples]
-    # n: the first n only
-    assert finetune.task_accuracy(model, examples, max_new_tokens=5, n=2)[0] == 1 / 2
-    # the regex's first group on both sides: the odd ones now match too, the even ones still do
-    first_word = r"^\s*(\S+)"
-    if all(r[2].split() for r in results):
-        assert finetune.task_accuracy(model, examples, max_new_tokens=5, answer_regex=first_word)[0] == 1.0
-    # no match in the answer: wrong
-    assert finetune.task_accuracy(model, examples, max_new_tokens=5, answer_regex=r"(zzz\d+)")[0] == 0.0
-
-
-def test_default_answer_length_comes_from_the_expected_answer(monkeypatch):
-    """Room for a right answer: the expected answer's tokens + 8; with a regex, twice that + 16."""
-    import sample
-    model, asked = tiny_model(), []
-    real_answers = sample.answers
-    monkeypatch.setattr(sample, "answers", lambda m, prompts, limits, **kw: asked.extend(limits) or
-                        real_answers(m, prompts, limits, **kw))
-    examples = [(enc("Q: a"), " one two three"), (enc("Q: b"), "x")]
-    finetune.task_accuracy(model, examples)
-    finetune.task_accuracy(model, examples, answer_regex="(.*)")
-    finetune.task_accuracy(model, examples, max_new_tokens=3)
-    n = [len(enc(e)) for _, e in examples]
-    assert asked == [n[0] + 8, n[1] + 8, 2 * n[0] + 16, 2 * n[1] + 16, 3, 3]
-
-
-def test_answer_key():
-    assert finetune.answer_key("  a \n b\t c ") == "a b c"
-    assert finetune.answer_key("so 3 + 4 = 7\n#### 7 ", "#### (.*)") == "7"
-    assert finetune.answer_key("no marker", "#### (.*)") is None
-    assert finetune.answer_key("#### 7", "#### (.*)") == finetune.answer_key("x\n####  7", "#### (.*)")
-
-
-def test_task_accuracy_from_a_task_folder_uses_its_regex(tmp_path):
-    model = tiny_model(1)
-    rows = [{"prompt": f"Sum {i}:", "completion": f" work {i}\n#### {i}"} for i in range(4)]
-    src = write_jsonl(tmp_path / "in.jsonl", rows)
-    prepare("--input", src, "--val_input", src, "--output_dir", tmp_path / "t", "--answer_regex", "#### (.*)")
-    accuracy, results = finetune.task_accuracy(model, str(tmp_path / "t"), max_new_tokens=4)
-    assert [r[:2] for r in results] == [(r["prompt"], r["completion"]) for r in rows]
-    # a random model writes no "#### ": every answer is wrong under the task's regex
-    assert accuracy == 0.0 and all("####" not in r[2] for r in results)
-
-
-RANK_SCRIPT = """
-import os, sys, torch
-sys.path.insert(0, {repo!r}); sys.path.insert(0, {tests!r})
-torch.set_num_threads(1)
-import finetune, test_finetune
-from plumbing import world
-rank = int(sys.argv[1])
-torch.distributed.init_process_group("gloo", init_method="file://" + {store!r}, rank=rank, world_size=2)
-ranks = world.Ranks(rank=rank, world_size=2, local_rank=rank, local_world=2, launcher="test")
-model = test_finetune.tiny_model()
-examples = test_finetune.known_examples(model, [f"Question {{i}}: what comes next?" for i in range(7)], 4)
-for lockstep in (False, True):
-    accuracy, results = finetune.task_accuracy(model, examples, max_new_tokens=4, ranks=ranks, lockstep=lockstep)
-    print(lockstep, accuracy, [r[0] for r in results], flush=True)
-torch.distributed.destroy_process_group()
-"""
-
-
-def test_task_accuracy_on_two_ranks_splits_the_examples_and_sums_the_counts(tmp_path):
-    script = tmp_path / "ranks.py"
-    script.write_text(RANK_SCRIPT.format(repo=REPO, tests=os.path.dirname(os.path.abspath(__file__)),
-                                         store=str(tmp_path / "store")))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(script), str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env) for r in (0, 1)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
-    prompts = [f"Question {i}: what comes next?" for i in range(7)]
-    for rank, (out, err) in enumerate(outs):
-        split, lockstep = out.splitlines()
-        assert split == f"False {4 / 7} {prompts[rank::2]}"        # 4 of the 7 right (the even ones), over both
-        assert lockstep == f"True {4 / 7} {prompts}"              # every rank answered every example
-        if rank == 1:
-            assert "task accuracy" not in err                     # no progress bar but rank 0's
-
-
-def test_eval_on_a_hugging_face_layout_model(tmp_path, capsys):
-    """--eval on a random GPT-2 saved by transformers: it loads, renders with the folder's task.json templates,
-    answers, and prints the accuracy and examples, agreeing with the plain greedy loop on the same weights."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-    import train_gpt2
-    torch.manual_seed(0)
-    folder = tmp_path / "hf"
-    GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64)).save_pretrained(folder)
-    templates = {**finetune.TEMPLATES, "alpaca": {"input": "Do {instruction} with {input}:", "no_input": "Do {instruction}:"}}
-    (folder / "task.json").write_text(json.dumps({"kind": "task", "version": 1, "format": "alpaca",
-                                                  "formats": {"alpaca": 1}, "templates": templates,
-                                                  "answer_regex": None}))
-    model = train_gpt2.load_model(str(folder)).eval()
-    greedy = decode(greedy_reference(model, enc("Do sums:"), 6))
-    rows = [{"instruction": "sums", "output": greedy + "\n"}, {"instruction": "more", "input": "x", "output": "no"},
-            {"prompt": "", "completion": "bad line"}]
-    src = write_jsonl(tmp_path / "val.jsonl", rows)
-    accuracy = finetune.main(["--eval", "--ckpt_path", str(folder), "--input", src, "--max_new_tokens", "6",
-                              "--dtype", "fp32", "--device", "cpu"])
-    out, err = capsys.readouterr()
-    assert accuracy == 0.5
-    assert f"{src}:3: empty prompt" in err
-    assert "prompt:   'Do sums:'" in out and f"expected: {greedy + chr(10)!r}" in out and f"got:      {greedy!r}" in out
-    assert "prompt:   'Do more with x:'" in out
-    assert re.search(r"task accuracy: 0\.5000 \(1/2 examples of .*val\.jsonl; exact match", out)
-    # a regex that the expected answers do not match: said, and every answer is wrong
-    assert finetune.main(["--eval", "--ckpt_path", str(folder), "--input", src, "--max_new_tokens", "6",
-                          "--dtype", "fp32", "--device", "cpu", "--answer_regex", "#### (.*)"]) == 0.0
-    out, err = capsys.readouterr()
-    assert "warning: 2 expected answers have no match of --answer_regex" in err
-    assert "task accuracy: 0.0000 (0/2 examples" in out and "the first group of '#### (.*)'" in out
+def test_the_old_eval_form_names_the_new_command(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        finetune.main(["--eval", "--ckpt_path", "log/model_00300.pt", "--input", "val.jsonl"])
+    assert str(e.value) == "error: --eval is answer.py's now: python answer.py --ckpt_path log/model_00300.pt --input val.jsonl"
 
 
 # --- the demo task ------------------------------------------------------------------------------
@@ -587,7 +443,7 @@ def test_demo_prepares_its_folder_trains_and_says_what_next(tmp_path, capsys, mo
                                                       "task_examples": 4, "threads": 1})
     out = tmp_path / "demo"
     finetune.main(["--demo", "--output_dir", str(out)])
-    task = finetune.read_task(str(out))
+    task = dataloader.read_task(str(out))
     assert task["format"] == "prompt_completion" and task["dropped"] == {} and task["splits"]["val"]["examples"] > 0
     printed = capsys.readouterr().out
     assert f"training: python train_gpt2.py --data_dir {out} --log_dir {tmp_path / 'log_demo'}" in printed

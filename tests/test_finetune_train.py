@@ -9,10 +9,13 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+import dataloader
 import finetune
 import train_gpt2
 from conftest import TINY_MODEL, read_log, run_train
-from finetune import IGNORE, Packed, TaskLoader, pack, pick_targets
+from dataloader import IGNORE, Packed, TaskLoader, pack, pick_targets
+from plumbing import fused_loss
+from plumbing.fused_loss import lm_head_loss
 from train_gpt2 import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -69,7 +72,7 @@ def test_loss_and_gradients_equal_transformers_with_minus_100_labels():
 
 @pytest.mark.parametrize("ignored", ["none", "one chunk", "every other"])
 def test_chunked_loss_skips_ignored_targets_as_cross_entropy_does(monkeypatch, ignored):
-    monkeypatch.setattr(train_gpt2, "LOSS_CHUNK", 8)
+    monkeypatch.setattr(fused_loss, "LOSS_CHUNK", 8)
     torch.manual_seed(0)
     x = torch.randn(32, 16, requires_grad=True)
     w = torch.randn(100, 16, requires_grad=True)
@@ -80,13 +83,13 @@ def test_chunked_loss_skips_ignored_targets_as_cross_entropy_does(monkeypatch, i
         y[::2] = IGNORE
     ref = F.cross_entropy(x @ w.t(), y, ignore_index=IGNORE)
     ref_gx, ref_gw = torch.autograd.grad(ref, (x, w))
-    ours = train_gpt2.lm_head_loss(x, w, y)
+    ours = lm_head_loss(x, w, y)
     gx, gw = torch.autograd.grad(ours, (x, w))
     torch.testing.assert_close(ours, ref)
     torch.testing.assert_close(gx, ref_gx)
     torch.testing.assert_close(gw, ref_gw)
     with torch.no_grad():  # validation's path
-        torch.testing.assert_close(train_gpt2.lm_head_loss(x, w, y), ref)
+        torch.testing.assert_close(lm_head_loss(x, w, y), ref)
 
 
 def test_a_batch_with_no_target_has_loss_zero_not_nan():
@@ -94,7 +97,7 @@ def test_a_batch_with_no_target_has_loss_zero_not_nan():
     w = torch.randn(100, 16, requires_grad=True)
     y = torch.full((12,), IGNORE)
     assert torch.isnan(F.cross_entropy(x @ w.t(), y, ignore_index=IGNORE))  # what we do better
-    loss = train_gpt2.lm_head_loss(x, w, y)
+    loss = lm_head_loss(x, w, y)
     loss.backward()
     assert loss.item() == 0.0 and not x.grad.any() and not w.grad.any()
     model = tiny_gpt()  # and through a packed forward, which drops every position before the loss
@@ -160,7 +163,7 @@ def test_packed_attention_equals_a_block_diagonal_mask():
 
 
 def test_pick_targets_rounds_up_with_ignored_positions(monkeypatch):
-    monkeypatch.setattr(finetune, "PICK_MULTIPLE", 4)
+    monkeypatch.setattr(dataloader, "PICK_MULTIPLE", 4)
     y = torch.tensor([[IGNORE, 5, 6, IGNORE, 7, IGNORE], [IGNORE] * 6])
     picked = pick_targets(y)
     assert picked.tolist() == [1, 2, 4, 0]  # 3 targets, then an ignored position up to 4
@@ -211,7 +214,7 @@ def task_run_args(data_dir, log_dir, *extra):
 
 
 def final_weights(log_dir):
-    return train_gpt2.load_model(train_gpt2.list_checkpoints(str(log_dir))[-1]).state_dict()
+    return train_gpt2.load_model(train_gpt2.list_checkpoints(str(log_dir))[-1])[0].state_dict()
 
 
 def assert_close_weights(a, b, atol):
@@ -221,7 +224,7 @@ def assert_close_weights(a, b, atol):
 
 def test_task_loader_serves_every_example_once_per_epoch_with_its_targets(task):
     loader = TaskLoader(task, "train", 2, 64, seed=5)
-    tokens, targets, examples = finetune.open_split(task, "train")
+    tokens, targets, examples = dataloader.open_split(task, "train")
     rows_per_epoch = len(loader.rows)
     seen, n_targets = [], 0
     for _ in range(-(-rows_per_epoch // 2)):
@@ -260,7 +263,7 @@ def test_resume_in_the_middle_of_an_epoch_is_exact(task, tmp_path):
     run_train(task_run_args(task, ref, *args))
     state = torch.load(ref / "model_00003.pt", weights_only=True)
     assert state["loader"]["epoch"] == 0 and 0 < state["loader"]["row"] < len(TaskLoader(task, "train", 2, 64).rows)
-    assert state["task"] == finetune.read_task(task)  # the template travels with the weights
+    assert state["task"] == dataloader.read_task(task)  # the template travels with the weights
     part = tmp_path / "part"
     run_train(task_run_args(task, part, *args, "--resume", ref / "model_00003.pt"))
     assert read_log(part, "train") == {s: v for s, v in read_log(ref, "train").items() if s >= 3}

@@ -5,7 +5,6 @@ import os
 import pytest
 import torch
 
-import sample
 import train_gpt2
 from train_gpt2 import GPT, GPTConfig
 
@@ -119,9 +118,9 @@ def test_hidden_takes_positions_and_mask():
                               causal & (second[:, None] == second[None, :]))
         torch.testing.assert_close(packed[:, :40], h)
         torch.testing.assert_close(packed[:, 40:], model.hidden(b))
-        kv_cache = sample.KVCache(SMALL.n_layer, SMALL.block_size)
-        model.hidden(a[:, :25], kv_cache=kv_cache)
-        torch.testing.assert_close(model.hidden(a[:, 25:], kv_cache=kv_cache), h[:, 25:])
+        cache = train_gpt2.KVCache(SMALL.n_layer, SMALL.block_size)
+        model.hidden(a[:, :25], cache=cache)
+        torch.testing.assert_close(model.hidden(a[:, 25:], cache=cache), h[:, 25:])
 
 
 def test_gradient_accumulation_equals_big_batch():
@@ -144,15 +143,12 @@ def test_gradient_accumulation_equals_big_batch():
 
 
 def reference_get_lr(it, max_lr, min_lr, warmup_steps, max_steps):
-    # build-nanogpt's get_lr, with its constants made arguments
-    if it < warmup_steps:
-        return max_lr * (it + 1) / warmup_steps
-    if it > max_steps:
-        return min_lr
-    decay_ratio = (it - warmup_steps) / (max_steps - warmup_steps)
-    assert 0 <= decay_ratio <= 1
-    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
-    return min_lr + coeff * (max_lr - min_lr)
+    """build-nanogpt's schedule, written out as one formula per phase (its constants made arguments)."""
+    warming, decaying = it < warmup_steps, warmup_steps <= it <= max_steps
+    progress = (it - warmup_steps) / (max_steps - warmup_steps) if decaying else None
+    assert progress is None or 0 <= progress <= 1
+    return (max_lr * (it + 1) / warmup_steps if warming else
+            min_lr + (max_lr - min_lr) * (1 + math.cos(math.pi * progress)) / 2 if decaying else min_lr)
 
 
 def test_lr_schedule_is_build_nanogpts():
@@ -182,14 +178,14 @@ def test_kv_cache_generation_equals_recompute():
     model = GPT(SMALL).eval()
     prompt = torch.randint(0, 50257, (2, 5))
     # runs past block_size (64) to cover the recompute fallback too
-    cached = torch.stack(list(sample.generate(model, prompt, 70, top_k=1)), dim=1)
+    cached = torch.stack(list(model.generate(prompt, 70, top_k=1)), dim=1)
     idx = prompt
     with torch.no_grad():
         for _ in range(70):
             logits, _ = model(idx[:, -SMALL.block_size:])
             idx = torch.cat((idx, logits[:, -1, :50257].argmax(-1, keepdim=True)), dim=1)
     assert torch.equal(cached, idx[:, 5:])
-    sampled = [torch.stack(list(sample.generate(model, prompt, 20, top_k=50, generator=torch.Generator().manual_seed(3))), 1)
+    sampled = [torch.stack(list(model.generate(prompt, 20, top_k=50, generator=torch.Generator().manual_seed(3))), 1)
                for _ in range(2)]
     assert torch.equal(sampled[0], sampled[1])
     assert int(sampled[0].max()) < 50257

@@ -16,7 +16,7 @@ import torch._dynamo.utils
 import torch.nn.functional as F
 
 import train_gpt2
-from plumbing import speedups
+from plumbing import fused_loss, speedups
 from conftest import HELLASWAG_EXAMPLES, REPO, make_shards, read_log, run_train, tiny_run_args, write_hellaswag
 from train_gpt2 import GPT, GPTConfig
 
@@ -29,7 +29,7 @@ BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
     # batches of 4 x 32 = 128 positions, in chunks of 48: two full chunks and a shorter last one
-    monkeypatch.setattr(train_gpt2, "LOSS_CHUNK", 48)
+    monkeypatch.setattr(fused_loss, "LOSS_CHUNK", 48)
 
 
 def plain_loss(model, x, y):

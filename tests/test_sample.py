@@ -1,17 +1,22 @@
-"""sample.py: KV-cached generation equals recomputing everything, seeds, and both model sources."""
+"""sample.py: KV-cached generation equals recomputing everything, seeds, both model sources; and a fine-tuned model's
+answer to --prompt, rendered with the template in its checkpoint (written out here by hand), up to <|endoftext|>."""
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 
 import pytest
 import torch
 from torch.nn import functional as F
 
 import sample
+import tasks
 import tokenizer
-from conftest import REPO, make_shards, run_train, tiny_run_args
+import train_gpt2
+from train_gpt2 import GPT
+from conftest import (REPO, greedy_reference, make_shards, record_prompts, run_train, save_task_checkpoint, say_eot_at,
+                      task_of, tiny_run_args, varied_model)
 from plumbing import cpu, speedups
-from train_gpt2 import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -72,7 +77,7 @@ def run_main(capsys, *argv):
 
 
 def load(ckpt):
-    return sample.load_model(ckpt_path=ckpt)[0].eval()
+    return train_gpt2.load_model(ckpt)[0].eval()
 
 
 # 70 new tokens after a 3-token prompt runs past the 64-token context: the cache's fallback is covered too
@@ -137,7 +142,7 @@ def test_padded_vocab_is_never_sampled(ckpt):
     assert model.config.vocab_size > tokenizer.VOCAB_SIZE
     gen = torch.Generator().manual_seed(0)
     for top_k in (None, 1, 100):
-        new = sample.stream_sample(model, [tokenizer.EOT], 50, top_k=top_k, generator=gen, out=open(os.devnull, "w"))
+        new = [int(t) for t in model.generate(torch.tensor([[tokenizer.EOT]]), 50, top_k=top_k, generator=gen)]
         assert len(new) == 50 and max(new) < tokenizer.VOCAB_SIZE
 
 
@@ -169,136 +174,100 @@ def test_dtype_follows_the_cpu_by_default(hf_dir, tmp_path, monkeypatch):
 
 
 # -----------------------------------------------------------------------------
-# answer(): the greedy answer that task accuracy scores and the chat prints
+# a fine-tuned model: --prompt rendered with its checkpoint's template, the answer alone, up to <|endoftext|>
 
-def varied_model(block_size=48):
-    """A random tiny GPT whose greedy continuations do not just repeat one token: embeddings and
-    weights larger than the training init (which makes near-uniform logits and loops)."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=block_size, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0, 1.0 if "wte" in name or "wpe" in name else 0.3 if p.dim() == 2 else 0.1)
-    return model
+EOT, enc, decode = tokenizer.EOT, tokenizer.encode, tokenizer.decode
+BLOCK = 64
+
+
+def eot_at_a_new_token(model, ids, at_least):
+    """Make the model's greedy answer to ids end with <|endoftext|> after at_least or more tokens (at a
+    token not picked before, so it cannot win earlier); returns the answer."""
+    free = greedy_reference(model, ids, 40)
+    k = next(k for k in range(at_least, 40) if free[k] not in free[:k])
+    return say_eot_at(model, ids, k)
 
 
 @torch.no_grad()
-def greedy_reference(model, ids, max_new_tokens):
-    """answer() the plain way: the whole sequence through the model for every token, no cache."""
+def sampled_reference(model, ids, max_new_tokens, temperature, generator):
+    """A sampled answer the plain way (no KV cache, the whole vocabulary), stopping at <|endoftext|>."""
     ids, new = list(ids), []
     while len(new) < max_new_tokens and len(ids) < model.config.block_size:
-        next_id = int(model(torch.tensor([ids]))[0][0, -1, :tokenizer.VOCAB_SIZE].argmax())
-        if next_id == tokenizer.EOT:
+        logits = model(torch.tensor([ids]))[0][:, -1, :tokenizer.VOCAB_SIZE].float()
+        next_id = int(torch.multinomial(F.softmax(logits / temperature, dim=-1), 1, generator=generator))
+        if next_id == EOT:
             break
         new.append(next_id)
         ids.append(next_id)
     return new
 
 
-def test_answer_equals_greedy_recompute():
-    model = varied_model()
-    prompt = tokenizer.encode("The quick brown fox")
-    for ids, max_new_tokens, expected_length in [
-        (prompt, 10, 10),  # stops at max_new_tokens
-        (prompt, 100, 48 - len(prompt)),  # stops where the context ends: prompt + answer = block_size
-        (list(range(1000, 1047)), 5, 1),  # one position left
-        (list(range(1000, 1048)), 5, 0),  # none left
-        (prompt, 0, 0),
+def test_prompt_gets_the_answer_up_to_eot(capsys, monkeypatch, tmp_path):
+    model = varied_model(BLOCK)
+    prompt = "Q: What is two plus two?\nA:"
+    answer = eot_at_a_new_token(model, enc(prompt), 5)  # prompt/completion: the prompt exactly, nothing added
+    ckpt = save_task_checkpoint(tmp_path / "model.pt", model, task_of("prompt_completion"))
+    seen = record_prompts(monkeypatch, sample, "stream_sample")
+    out = run_main(capsys, "--ckpt_path", ckpt, "--prompt", prompt, "--top_k", 1, "--max_new_tokens", 40)
+    assert seen == [enc(prompt)]
+    assert out.out == decode(answer).lstrip() + "\n"  # the answer alone: no prompt, no header, no <|endoftext|>
+    assert f"{len(answer)} tokens in" in out.err and "fine-tuned on a prompt_completion task" in out.err
+    out = run_main(capsys, "--ckpt_path", ckpt, "--prompt", prompt, "--top_k", 1, "--max_new_tokens", 3)
+    assert out.out == decode(answer[:3]).lstrip() + "\n"
+
+    # the user's sampling flags still hold: two samples from the whole vocabulary, each stopping at <|endoftext|>
+    out = run_main(capsys, "--ckpt_path", ckpt, "--prompt", prompt, "--num_samples", 2, "--top_k", 0,
+                   "--temperature", 0.7, "--seed", 3, "--max_new_tokens", 40)
+    generator = torch.Generator().manual_seed(3)
+    answers = [sampled_reference(model, enc(prompt), 40, 0.7, generator) for _ in range(2)]
+    assert out.out == "".join(f"--- sample {i + 1}/2\n{decode(a).lstrip()}\n" for i, a in enumerate(answers))
+    assert answers[0] != answers[1]
+
+
+def test_the_template_is_the_checkpoints(capsys, monkeypatch, tmp_path):
+    """An Alpaca-format model is prompted with the template it was trained on, which its checkpoint carries."""
+    templates = {**tasks.TEMPLATES, "alpaca": {"input": "Do: {instruction}\nWith: {input}\nDone:",
+                                                  "no_input": "Do: {instruction}\nDone:"}}
+    model = varied_model(BLOCK)
+    ckpt = save_task_checkpoint(tmp_path / "model.pt", model, task_of("alpaca", templates))
+    seen = record_prompts(monkeypatch, sample, "stream_sample")
+    out = run_main(capsys, "--ckpt_path", ckpt, "--prompt", "Name a colour.", "--top_k", 1,
+                   "--max_new_tokens", 8)
+    ids = enc("Do: Name a colour.\nDone:")
+    assert seen == [ids]
+    assert out.out == decode(greedy_reference(model, ids, 8)).lstrip() + "\n"
+
+
+def test_bad_use_is_one_line(capsys, tmp_path):
+    model = varied_model(BLOCK)
+    plain = tmp_path / "plain.pt"
+    torch.save({"config": asdict(model.config), "model": model.state_dict()}, plain)
+    completion = save_task_checkpoint(tmp_path / "qa.pt", model, task_of("prompt_completion"))
+    chat = save_task_checkpoint(tmp_path / "chat.pt", model, task_of("chat"))
+    for argv, message in [
+        (["--ckpt_path", completion, "--prompt", "hi", "--system", "Be brief."],
+         f"error: --system needs a model fine-tuned on chat data (messages); {completion} is fine-tuned on "
+         f"prompt_completion data"),
+        (["--ckpt_path", plain, "--prompt", "hi", "--system", "Be brief."],
+         f"error: --system needs a model fine-tuned on chat data (messages); {plain} is a plain language model"),
+        (["--ckpt_path", chat, "--prompt", "hi", "--system", " "], "error: --system is empty"),
+        (["--ckpt_path", completion], f"error: {completion} is fine-tuned on a task: ask it something with --prompt, "
+                                      f"or talk with it with python answer.py --ckpt_path {completion} --chat"),
+        (["--ckpt_path", completion, "--prompt", "word " * 70],
+         f"error: --prompt is {len(enc('word ' * 70))} tokens once rendered with the task's template, the model's "
+         f"context is {BLOCK}: shorten it"),
+        (["--ckpt_path", chat, "--chat"], "error: --chat is answer.py's now: python answer.py --ckpt_path CHECKPOINT "
+                                          "--chat"),
     ]:
-        got = sample.answer(model, ids, max_new_tokens)
-        assert got == greedy_reference(model, ids, max_new_tokens)
-        assert len(got) == expected_length and tokenizer.EOT not in got
-    assert len(set(sample.answer(model, prompt, 100))) > 5  # a continuation that says something
+        with pytest.raises(SystemExit) as e:
+            run_main(capsys, *argv)
+        assert str(e.value) == message
 
 
-def say_eot_at(model, ids, k):
-    """Make <|endoftext|> the greedy pick at step k of the answer to ids; returns the k tokens before it. Its
-    (tied) embedding row becomes the row of the token greedy picks there, nudged towards that step's hidden
-    state, so it wins there by a hair; where that token was picked before, it may win earlier (callers check)."""
-    free = greedy_reference(model, ids, k + 1)
-    assert len(free) == k + 1
-    with torch.no_grad():
-        h = model.hidden(torch.tensor([ids + free[:k]]))[0, -1]  # the state that picks free[k]
-        model.lm_head.weight[tokenizer.EOT] = model.lm_head.weight[free[k]] + 1e-3 * h / h.norm()
-    return free[:k]
-
-
-def test_answer_stops_at_eot():
-    model = varied_model()
-    prompt = tokenizer.encode("The quick brown fox")
-    free = sample.answer(model, prompt, 30)
-    assert len(free) == 30
-    k = next(k for k in range(8, 30) if free[k] not in free[:k])  # a token greedy has not picked before
-    assert say_eot_at(model, prompt, k) == free[:k]
-    got = sample.answer(model, prompt, 30)
-    assert got == free[:k]  # everything before, and not the <|endoftext|>
-    assert greedy_reference(model, prompt, 30) == got
-
-
-# -----------------------------------------------------------------------------
-# answers(): many prompts a batch at a time, left-padded, as task accuracy asks them
-
-def eot_instead_of(model, token):
-    """Make <|endoftext|> the greedy pick wherever token was, and only there, in a model whose hidden state is 1
-    in dimension 0 everywhere: <|endoftext|>'s lm_head row becomes token's plus 1e-3 in that dimension, so its
-    logit is always token's + 1e-3."""
-    with torch.no_grad():
-        model.lm_head.weight[tokenizer.EOT] = model.lm_head.weight[token]
-        model.lm_head.weight[tokenizer.EOT, 0] += 1e-3
-
-
-def test_answers_equal_answer_one_prompt_at_a_time():
-    """Prompts from 1 to 60 tokens (context 48), each with its own max_new_tokens, in batches of 4 and all in one:
-    every answer is answer()'s and the no-cache loop's, in the order given; the rows stop at <|endoftext|> at
-    known steps, at their max_new_tokens, at the context's end, or have no room at all."""
-    model = varied_model()
-    with torch.no_grad():  # the hidden state's dimension 0: 1 everywhere, for eot_instead_of
-        model.transformer.ln_f.weight[0], model.transformer.ln_f.bias[0] = 0.0, 1.0
-    g = torch.Generator().manual_seed(1)
-    lengths = [30, 1, 47, 12, 3, 46, 20, 48, 2, 60, 25, 8, 40, 5, 17, 33]
-    prompts = [torch.randint(0, tokenizer.VOCAB_SIZE, (n,), generator=g).tolist() for n in lengths]
-    limits = [40, 25, 5, 25, 25, 100, 3, 5, 25, 5, 25, 0, 30, 25, 25, 25]
-    free = [greedy_reference(model, ids, n) for ids, n in zip(prompts, limits)]
-    # the stopping token: one that greedy picks, for the first time, at some step > 0 in several answers
-    firsts = [(a.index(t), t) for a in free for t in set(a)]
-    stop = max(set(t for _, t in firsts), key=lambda t: sum(k > 0 for k, u in firsts if u == t))
-    eot_instead_of(model, stop)
-    expected = [a[:a.index(stop)] if stop in a else a for a in free]
-    assert sum(stop in a for a in free) >= 3  # several rows end at <|endoftext|>, at different steps
-    assert len({len(e) for e, a in zip(expected, free) if stop in a}) >= 2
-    assert any(stop not in a and len(a) == n for a, n in zip(free, limits))  # some at max_new_tokens
-    assert any(stop not in a and len(ids) + len(a) == 48 and len(a) < n  # some at the context's end
-               for ids, a, n in zip(prompts, free, limits))
-    assert [greedy_reference(model, ids, n) for ids, n in zip(prompts, limits)] == expected
-    assert [sample.answer(model, ids, n) for ids, n in zip(prompts, limits)] == expected
-    for batch_size in (4, 64):
-        assert sample.answers(model, prompts, limits, batch_size=batch_size) == expected
-    assert sample.answers(model, prompts, 3, batch_size=5) == [sample.answer(model, ids, 3) for ids in prompts]
-
-
-def test_answers_batches_prompts_of_similar_lengths():
-    """Sorted by length into batches (little padding), one forward per new token for a whole batch, none after
-    its last row is done, and progress advanced by each batch's prompts."""
-    model = varied_model()
-    g = torch.Generator().manual_seed(2)
-    lengths = [9, 2, 30, 5, 14, 3, 21]
-    prompts = [torch.randint(0, tokenizer.VOCAB_SIZE, (n,), generator=g).tolist() for n in lengths]
-    limits = [6, 2, 4, 9, 1, 3, 5]
-    forwards = []
-    hook = model.register_forward_pre_hook(
-        lambda m, args, kwargs: forwards.append((kwargs["kv_cache"].pos, tuple(args[0].shape))), with_kwargs=True)
-
-    class Progress:
-        def update(self, n):
-            steps.append(n)
-    steps = []
-    got = sample.answers(model, prompts, limits, batch_size=3, progress=Progress())
-    hook.remove()
-    assert got == [sample.answer(model, ids, n) for ids, n in zip(prompts, limits)]
-    assert all(len(a) == n for a, n in zip(got, limits))  # no <|endoftext|> here: max_new_tokens ends each row
-    prefills = [shape for pos, shape in forwards if pos == 0]
-    assert prefills == [(3, 5), (3, 21), (1, 30)]  # lengths 2 3 5 | 9 14 21 | 30, left-padded to the longest
-    assert len(forwards) == 9 + 6 + 4  # one per token of each batch's longest answer (limits 2 3 9 | 6 1 5 | 4)
-    assert steps == [3, 3, 1]
-    with pytest.raises(ValueError):
-        sample.answers(model, prompts, [1, 2])
+def test_a_system_turn_opens_a_chat_models_prompt(capsys, monkeypatch, tmp_path):
+    model = varied_model(BLOCK)
+    ckpt = save_task_checkpoint(tmp_path / "model.pt", model, task_of("chat"))
+    seen = record_prompts(monkeypatch, sample, "stream_sample")
+    run_main(capsys, "--ckpt_path", ckpt, "--prompt", "hi", "--system", "Be brief.", "--top_k", 1,
+             "--max_new_tokens", 4)
+    assert seen == [enc("System: Be brief.\n") + enc("User: hi\n") + enc("Assistant:")]

@@ -10,7 +10,7 @@ import torch
 from plumbing import checkpoints
 import train_gpt2
 from conftest import REPO, make_shards, read_log, run_train, tiny_run_args
-from train_gpt2 import DataLoader, ValLoader
+from dataloader import DataLoader, ValLoader
 
 
 # ----------------------------------------------------------------------------- data loader
