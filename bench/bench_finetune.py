@@ -10,7 +10,7 @@ and against what a user would run instead on a CPU: transformers' GPT2LMHeadMode
 The examples: Alpaca-like, --example_len 50 400 tokens (uniform, seeded; capped at --seq_len), each ending
 with <|endoftext|>, the last 40% of its tokens the answer (the targets: finetune.py's answer-only default).
 Their token ids are random: speed does not depend on them. They are written as a finetune.py folder, in a
-temporary directory, and read back by train_gpt2.TaskLoader, so every configuration sees the same examples
+temporary directory, and read back by dataloader.TaskLoader, so every configuration sees the same examples
 in the same (shuffled) order.
 
 A configuration (--a, --b) is one of these names, then optional items, comma-separated:
@@ -40,12 +40,9 @@ and one of B in turns, B first in every other pair; the per-pair ratios and thei
 """
 import argparse
 import json
-import os
 import resource
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from types import SimpleNamespace
@@ -54,13 +51,14 @@ import numpy as np
 import torch
 
 import common  # before train_gpt2: it puts the repository root on sys.path
-import bench_train
-from bench_train import peak_rss, reset_peak_rss
-from plumbing import cpu, speedups, world
+from dataloader import TaskLoader, open_split
 import finetune
-import train_gpt2
+from plumbing import cpu, fused_loss, speedups, world
+from plumbing.fused_loss import IGNORE
+from tasks import Example
 from tokenizer import EOT
-from train_gpt2 import IGNORE, GPTConfig, TaskLoader
+import train_gpt2
+from train_gpt2 import GPTConfig
 
 KINDS = ("pretrain", "packed", "hf_padded")
 ANSWER_SHARE = 0.4  # the last 40% of an example's tokens are its answer (EOT included): its targets
@@ -73,7 +71,7 @@ def parse_config(text):
     if kind not in KINDS:
         raise SystemExit(f"error: --a/--b {text!r}: the configuration starts with one of {', '.join(KINDS)}")
     items = [s.strip() for s in rest.split(",") if s.strip()]
-    cfg = dict(bench_train.parse_config(rest), kind=kind)
+    cfg = dict(common.parse_config(rest), kind=kind)
     if any(i in ("full", "plain") for i in items):
         raise SystemExit(f"error: --a/--b {text!r}: the training step always uses the chunked loss ('full', 'plain' "
                          "are bench_train.py's)")
@@ -86,10 +84,7 @@ def parse_config(text):
 
 
 def describe(cfg):
-    words = [cfg["kind"], "compile" if cfg["compile"] else "eager", cfg["memory"]] + [cfg["dtype"]] * ("dtype" in cfg)
-    words += [f"{k}={cfg[k]}" for k in ("batch_size", "loss_chunk", "threads", "budget") if k in cfg]
-    words += [f"{k}={os.path.basename(v)}" for k, v in cfg.get("env", {}).items()]
-    return ",".join(words)
+    return common.describe(cfg, [cfg["kind"], "compile" if cfg["compile"] else "eager", cfg["memory"]])
 
 
 # -----------------------------------------------------------------------------
@@ -107,7 +102,7 @@ def write_examples(out_dir, n, lo, hi, seed=SEED):
         answer_start = length - max(2, round(ANSWER_SHARE * length))  # at least one answer token and the EOT
         targets = np.zeros(length, np.uint8)
         targets[answer_start:] = 1
-        examples.append(finetune.Example(ids, targets, answer_start))
+        examples.append(Example(ids, targets, answer_start))
     finetune.write_split(out_dir, "train", examples)
 
 
@@ -149,7 +144,7 @@ def step_flops(n_params, lm_head_params, n_layer, n_embd, positions, logits, spa
 def our_step(cfg, args, B):
     """train_gpt2.train_step, the trainer's own step, on pretraining batches or on TaskLoader's packed rows. Returns
     (step(): its figures, the model's parameter count, the dtype and why)."""
-    train_gpt2.LOSS_CHUNK = cfg.get("loss_chunk", train_gpt2.LOSS_CHUNK)
+    fused_loss.LOSS_CHUNK = cfg.get("loss_chunk", fused_loss.LOSS_CHUNK)
     T, accum = args.seq_len, args.grad_accum
     config = GPTConfig(block_size=T, vocab_size=train_gpt2.PADDED_VOCAB_SIZE,
                        n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
@@ -209,7 +204,7 @@ def hf_step(cfg, args, N):
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5, fused=True)  # Trainer's adamw_torch_fused
     autocast = speedups.autocast(dtype_name, "cpu")
     dtype_line += f"; transformers {transformers.__version__}, attention {model.config._attn_implementation}"
-    tokens_, targets_, examples = finetune.open_split(args.task_dir, "train")
+    tokens_, targets_, examples = open_split(args.task_dir, "train")
     order = example_order(args.task_dir, args.batch_size, args.seq_len)
     n_params, lm_head = sum(p.numel() for p in model.parameters()), model.lm_head.weight.numel()
     taken = 0
@@ -251,54 +246,7 @@ def worker(cfg, args):
     if cfg["memory"] == "keep":
         cpu.keep_freed_memory()
     make = hf_step if cfg["kind"] == "hf_padded" else our_step
-    step, n_params, dtype_name, dtype_line = make(cfg, args, cfg["batch_size"])
-    dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
-    print(json.dumps({"n_params": n_params, "threads": torch.get_num_threads(),  # ready
-                      "dtype": dtype_name, "dtype_line": dtype_line}), flush=True)
-    for line in sys.stdin:  # one command per line, one JSON reply per line
-        command = line.strip()
-        if command == "step":
-            reply = step()
-        elif command == "rate":  # this CPU's matmul rate now, in this dtype at the model's shape: a fresh probe
-            reply = {"rate": cpu.measure_matmul_rate(dtype, args.n_embd, 0.05)}
-        elif command == "profile":
-            from torch.profiler import ProfilerActivity, profile
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                reply = step()
-            reply["table"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-        elif command == "reset_peak":  # after warm-up: from now on, the peak of the training steps alone
-            reply = {"peak_rss": peak_rss(), "reset": reset_peak_rss()}
-        elif command == "quit":
-            reply = {"peak_rss": peak_rss()}
-        print(json.dumps(reply), flush=True)
-        if command == "quit":
-            break
-
-
-class Worker(bench_train.Worker):
-    """bench_train.py's handle on a worker process, started on this script; ready() waits until it is built."""
-
-    def __init__(self, name, cfg, args):
-        self.name, self.cfg = name, cfg
-        env = dict(os.environ, **cfg.get("env", {}))
-        worker_args = [a for a in sys.argv[1:] if a not in ("--ab", "--profile")]
-        command = [sys.executable, os.path.abspath(__file__), *worker_args, "--task_dir", args.task_dir,
-                   "--worker", json.dumps(cfg)]
-        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-                                     preexec_fn=common.die_with_parent())
-
-    def ready(self):
-        self.info = self.ask(None)
-        self.cfg["dtype"] = self.info["dtype"]  # resolved by the worker
-
-    def ask(self, command):
-        if command is not None:
-            self.proc.stdin.write(command + "\n")
-            self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise SystemExit(f"error: worker {self.name} ({describe(self.cfg)}) exited with {self.proc.wait()}")
-        return json.loads(line)
+    common.serve(*make(cfg, args, cfg["batch_size"]), args.n_embd)
 
 
 # -----------------------------------------------------------------------------
@@ -307,27 +255,16 @@ class Worker(bench_train.Worker):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ab", action="store_true", help="lock-step A/B of configurations --a and --b")
     p.add_argument("--a", default="packed", help="configuration A (default: packed)")
     p.add_argument("--b", default="pretrain", help="configuration B (default: pretrain)")
-    p.add_argument("--steps", type=int, default=6, help="measured steps (pairs, with --ab)")
-    p.add_argument("--warmup", type=int, default=3, help="steps run first and not measured (packed: the first two "
-                   "compile, the second for the shapes that change from step to step)")
-    p.add_argument("--profile", action="store_true", help="print torch.profiler's table of one step of A")
     p.add_argument("--batch_size", type=int, default=4, help="rows of --seq_len per micro-step (ours)")
-    p.add_argument("--seq_len", type=int, default=1024)
-    p.add_argument("--grad_accum", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--example_len", type=int, nargs=2, default=[50, 400], metavar=("MIN", "MAX"),
                    help="the examples' lengths in tokens, uniform (capped at --seq_len)")
-    common.add_dtype(p)
-    p.add_argument("--n_layer", type=int, default=12)
-    p.add_argument("--n_head", type=int, default=12)
-    p.add_argument("--n_embd", type=int, default=768)
-    p.add_argument("--worker", help=argparse.SUPPRESS)
+    common.add_lockstep_flags(p, warmup=3, warmup_help="steps run first and not measured (packed: the first two "
+                              "compile, the second for the shapes that change from step to step)")
     p.add_argument("--task_dir", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if min(args.steps, args.batch_size, args.seq_len, args.grad_accum) <= 0 or args.warmup < 1:
-        raise SystemExit("error: --steps, --batch_size, --seq_len, --grad_accum must be positive, --warmup at least 1")
+    common.check_lockstep_flags(args)
     if not 2 <= args.example_len[0] <= args.example_len[1]:
         raise SystemExit("error: --example_len MIN MAX needs 2 <= MIN <= MAX (an example is a prompt, an answer, EOT)")
     if args.worker:
@@ -335,7 +272,7 @@ def main():
     configs = [("A", parse_config(args.a))] + ([("B", parse_config(args.b))] if args.ab else [])
     args.task_dir = tempfile.mkdtemp(prefix="bench_finetune_")
     try:
-        measure(args, configs)
+        benchmark(args, configs)
     finally:
         shutil.rmtree(args.task_dir)
 
@@ -362,60 +299,31 @@ def prepare_examples(args, configs):
             f"packed {per_row:.2f} to a row of {T}, {padding:.1%} padding")
 
 
-def measure(args, configs):
+def benchmark(args, configs):
     examples_line = prepare_examples(args, configs)
-    workers = [Worker(name, cfg, args) for name, cfg in configs]  # both start at once, then build their models
+    # both start at once, then build their models
+    workers = [common.Worker(name, cfg, __file__, describe, ["--task_dir", args.task_dir]) for name, cfg in configs]
     for w in workers:
         w.ready()
     info = workers[0].info
     print(f"GPT: {args.n_layer} layers, {args.n_embd} wide, {info['n_params'] / 1e6:.2f}M parameters; "
           f"T={args.seq_len}, {args.grad_accum} micro-step(s) per step")
     print(examples_line)
-    # which CPU every figure below comes from: its model, vector ISA and whether it has native bf16
-    print(f"{cpu.describe_cpu(info['threads'])}; {os.cpu_count()} CPUs, torch {torch.__version__}")
+    common.print_cpu_line(info["threads"])
     for w in workers:
         unit = "examples" if w.cfg["kind"] == "hf_padded" else f"rows of {args.seq_len}"
         print(f"{w.name}: {describe(w.cfg)} ({w.cfg['batch_size']} {unit} per micro-step); {w.info['dtype_line']}")
-
-    first = {}
-    for w in workers:  # warm-up, one configuration after the other: the first steps compile
-        for i in range(args.warmup):
-            r = w.ask("step")
-            first.setdefault(w.name, r["dt"])
-            print(f"{w.name} warm-up step {i + 1}: {r['dt']:.2f} s, loss {r['loss']:.4f}", flush=True)
-    if args.profile:
-        r = workers[0].ask("profile")
-        print(f"profile of one step of A ({r['dt']:.2f} s):\n{r['table']}")
-    warmup_peak = {w.name: w.ask("reset_peak") for w in workers}
-
-    # measured steps, interleaved; after every pair each worker probes the matmul rate in its dtype
-    results = {w.name: [] for w in workers}
-    rates = {w.name: [] for w in workers}
-    ratios = {"tokens": [], "positions": [], "cpu": []}
-    header = " ".join(f"{w.name + ' s':>8} {w.name + ' tokens':>9} {w.name + ' loss':>8}" for w in workers)
-    print(f"{'step':>4} {header} " + " ".join(f"{w.name + ' GFLOP/s':>10}" for w in workers)
-          + (f" {'A:B':>6} {'pos A:B':>7} {'cpu A:B':>7}" if args.ab else "") + "  load")
-    for i in range(args.steps):
-        turn = workers if i % 2 == 0 else workers[::-1]
-        now = {w.name: w.ask("step") for w in turn}
-        for w in workers:
-            rates[w.name].append(w.ask("rate")["rate"])
-            results[w.name].append(now[w.name])
-        line = f"{i + 1:4d} " + " ".join(f"{r['dt']:8.2f} {r['tokens']:9d} {r['loss']:8.4f}"
-                                         for r in (now[w.name] for w in workers))
-        line += " " + " ".join(f"{rates[w.name][-1]:10.0f}" for w in workers)
-        if args.ab:  # A's count per second over B's, in this pair: of example tokens, of positions, per CPU second
-            a, b = now["A"], now["B"]
-            ratios["tokens"].append(a["tokens"] / a["dt"] / (b["tokens"] / b["dt"]))
-            ratios["positions"].append(a["positions"] / a["dt"] / (b["positions"] / b["dt"]))
-            ratios["cpu"].append(a["tokens"] / a["cpu"] / (b["tokens"] / b["cpu"]))
-            line += " " + " ".join(f"{ratios[k][-1]:{n}.2f}" for k, n in (("tokens", 6), ("positions", 7), ("cpu", 7)))
-        # the load average: how many processes wanted a CPU (this benchmark itself is about 1)
-        print(line + f"  {os.getloadavg()[0]:4.1f}", flush=True)
-    report(args, workers, results, rates, ratios, first, warmup_peak)
+    common.warm_up(workers, args.warmup, args.profile)
+    # a line a pair: each one's seconds, example tokens and loss, its matmul rate; A's count per second over B's, of
+    # example tokens, of positions, and of example tokens per CPU second
+    columns = (lambda name: f"{name + ' s':>8} {name + ' tokens':>9} {name + ' loss':>8}",
+               lambda r: f"{r['dt']:8.2f} {r['tokens']:9d} {r['loss']:8.4f}")
+    ratios = {"A:B": (6, common.ratio("tokens", "dt")), "pos A:B": (7, common.ratio("positions", "dt")),
+              "cpu A:B": (7, common.ratio("tokens", "cpu"))}
+    report(args, workers, *common.measure(workers, args.steps, columns, ratios))
 
 
-def report(args, workers, results, rates, ratios, first, warmup_peak):
+def report(args, workers, results, rates, ratios):
     print()
     width = max(len(describe(w.cfg)) for w in workers)
     print(f"{'':2} {'configuration':<{width}} {'tokens/s':>9} {'pos/s':>8} {'MFU':>6} {'peak RSS':>9} "
@@ -426,16 +334,12 @@ def report(args, workers, results, rates, ratios, first, warmup_peak):
         seconds = sum(r["dt"] for r in runs)  # over all measured steps: a packed or padded step's tokens vary
         faults = statistics.median(r["faults"] for r in runs)
         rss[w.name] = w.close()
-        if not warmup_peak[w.name]["reset"]:  # no way to reset it here: the peak since the start
-            rss[w.name] = max(rss[w.name], warmup_peak[w.name]["peak_rss"])
         # against the fastest probe: the machine's noise only ever slows a probe down
         mfu[w.name] = sum(r["flops"] for r in runs) / seconds / (max(rates[w.name]) * 1e9 or float("nan"))
         print(f"{w.name:2} {describe(w.cfg):<{width}} {sum(r['tokens'] for r in runs) / seconds:9.0f} "
               f"{sum(r['positions'] for r in runs) / seconds:8.0f} {mfu[w.name]:6.1%} {rss[w.name] / 2**30:5.2f} GiB "
-              f"{faults:11.0f} {first[w.name]:8.1f} s {warmup_peak[w.name]['peak_rss'] / 2**30:7.2f} GiB")
-    for w in workers:
-        print(f"{w.name}: {mfu[w.name]:.1%} of this CPU's {w.cfg['dtype']} matmul rate, "
-              f"{max(rates[w.name]):.0f} GFLOP/s (the fastest probe)")
+              f"{faults:11.0f} {w.first:8.1f} s {w.warmup_peak['peak_rss'] / 2**30:7.2f} GiB")
+    common.print_matmul_shares(workers, mfu, rates)
     print("tokens/s: example tokens (an example's positions, padding excluded; pretrain: all) per second over the\n"
           "measured steps; pos/s: the positions each step computes on, padding included. MFU: the FLOPs each step\n"
           "executes per second, against this CPU's matmul rate in the configuration's dtype at the model's shape,\n"
@@ -445,9 +349,9 @@ def report(args, workers, results, rates, ratios, first, warmup_peak):
           "the measured steps; warm-up RSS: during warm-up, compilation included. first step: includes compiling.")
     if args.ab:
         median = {k: statistics.median(v) for k, v in ratios.items()}
-        print(f"A/B: A is {median['tokens']:.2f}x B in example tokens/s (median of {len(ratios['tokens'])} per-pair "
-              f"ratios; min {min(ratios['tokens']):.2f}, max {max(ratios['tokens']):.2f}); in positions/s "
-              f"{median['positions']:.2f}x; in CPU time {median['cpu']:.2f}x")
+        print(f"A/B: A is {median['A:B']:.2f}x B in example tokens/s (median of {len(ratios['A:B'])} per-pair "
+              f"ratios; min {min(ratios['A:B']):.2f}, max {max(ratios['A:B']):.2f}); in positions/s "
+              f"{median['pos A:B']:.2f}x; in CPU time {median['cpu A:B']:.2f}x")
         print(f"peak RSS: A {rss['A'] / 2**30:.2f} GiB, B {rss['B'] / 2**30:.2f} GiB (A/B {rss['A'] / rss['B']:.2f})")
 
 

@@ -149,7 +149,7 @@ def cpu_clock():
     return busy / os.sysconf("SC_CLK_TCK"), t.user + t.system + t.children_user + t.children_system
 
 
-def main():
+def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mb", type=float, default=50, help="corpus size in MB of text")
     p.add_argument("--rounds", type=int, default=5)
@@ -157,22 +157,12 @@ def main():
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "bench_fineweb"))
     p.add_argument("--quiet", type=float, default=0.10, help="a round is busy if other processes took more "
                    "than this fraction of all cores during any of its runs")
-    args = p.parse_args()
-    os.makedirs(args.workdir, exist_ok=True)
-    corpus = os.path.join(args.workdir, f"stdlib_{args.mb:g}MB_py{sys.version_info[0]}{sys.version_info[1]}.parquet")
-    if not os.path.exists(corpus):
-        n, chars = build_corpus(corpus + ".tmp", int(args.mb * 1e6))
-        os.replace(corpus + ".tmp", corpus)
-    texts = read_texts(corpus)
-    digest = hashlib.sha256("\x00".join(texts).encode("utf-8", "surrogatepass")).hexdigest()[:16]
-    print(f"corpus: {corpus}: {len(texts):,} documents, {sum(map(len, texts)) / 1e6:.1f} M characters, "
-          f"sha256 {digest}; {os.cpu_count()} CPUs; python {sys.version.split()[0]}")
+    return p.parse_args()
 
-    contenders = {
-        "fineweb": lambda d: run_fineweb(corpus, d, args.shard_size),
-        "nanogpt": lambda d: nanogpt_prepare(corpus, d, args.shard_size),
-        "ceiling": lambda d: run_ceiling(texts),
-    }
+
+def run_rounds(args, contenders):
+    """Every contender once a round, in a rotating order. Returns (M tokens/s of each, per round; the tokens each
+    counted; the rounds in which other processes stayed under --quiet)."""
     names = list(contenders)
     rates = {k: [] for k in names}
     tokens, quiet_rounds = {}, []
@@ -199,20 +189,43 @@ def main():
               f"fineweb/ceiling {rates['fineweb'][-1] / rates['ceiling'][-1]:.2f}  | "
               f"others used up to {busy:.0%} of the CPUs{'' if busy <= args.quiet else ' (busy)'}", flush=True)
     assert len(set(tokens.values())) == 1, f"the contenders disagree on the token count: {tokens}"
+    return rates, tokens, quiet_rounds
 
+
+def shards_tokens(out_dir):
+    """Every token a writer wrote, its shards in order (by index, the last 10 characters of a name)."""
+    return np.concatenate([np.load(f) for f in sorted(glob.glob(os.path.join(out_dir, "*.npy")), key=lambda f: f[-10:])])
+
+
+def main():
+    args = parse_args()
+    os.makedirs(args.workdir, exist_ok=True)
+    corpus = os.path.join(args.workdir, f"stdlib_{args.mb:g}MB_py{sys.version_info[0]}{sys.version_info[1]}.parquet")
+    if not os.path.exists(corpus):
+        n, chars = build_corpus(corpus + ".tmp", int(args.mb * 1e6))
+        os.replace(corpus + ".tmp", corpus)
+    texts = read_texts(corpus)
+    digest = hashlib.sha256("\x00".join(texts).encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    print(f"corpus: {corpus}: {len(texts):,} documents, {sum(map(len, texts)) / 1e6:.1f} M characters, "
+          f"sha256 {digest}; {os.cpu_count()} CPUs; python {sys.version.split()[0]}")
+
+    contenders = {
+        "fineweb": lambda d: run_fineweb(corpus, d, args.shard_size),
+        "nanogpt": lambda d: nanogpt_prepare(corpus, d, args.shard_size),
+        "ceiling": lambda d: run_ceiling(texts),
+    }
+    rates, tokens, quiet_rounds = run_rounds(args, contenders)
     # the two writers must have produced the same token stream
-    ours = np.concatenate([np.load(f) for f in sorted(glob.glob(os.path.join(args.workdir, "out_fineweb", "*.npy")),
-                                                        key=lambda f: f[-10:])])
-    theirs = np.concatenate([np.load(f) for f in sorted(glob.glob(os.path.join(args.workdir, "out_nanogpt", "*.npy")),
-                                                          key=lambda f: f[-10:])])
-    assert np.array_equal(ours, theirs), "fineweb.py and the build-nanogpt loop wrote different tokens"
+    assert np.array_equal(shards_tokens(os.path.join(args.workdir, "out_fineweb")),
+                          shards_tokens(os.path.join(args.workdir, "out_nanogpt"))), \
+        "fineweb.py and the build-nanogpt loop wrote different tokens"
 
     for title, rounds in ((f"all {args.rounds} rounds", range(args.rounds)),
                           (f"the {len(quiet_rounds)} quiet rounds", quiet_rounds)):
         if not rounds:
             continue
         print(f"\n{tokens['ceiling']:,} tokens; medians over {title} (M tokens/s):")
-        for k in names:
+        for k in contenders:
             print(f"  {k:16s} {statistics.median(rates[k][r] for r in rounds):6.2f}")
         for a, b in (("fineweb", "nanogpt"), ("fineweb", "ceiling")):
             ratios = [rates[a][r] / rates[b][r] for r in rounds]

@@ -8,7 +8,7 @@ The weights are random (GPT(GPTConfig())): speed does not depend on them, and it
 Both ways decode greedily from the same prompt, so in fp32 they produce the same tokens (the script
 checks it). They run in lockstep in one process, a token of one, then a token of the other,
 because a shared machine's speed drifts and only numbers measured side by side compare.
-    KV cache  sample.generate: the prompt once, then one token per forward (what sample.py does)
+    KV cache  GPT.generate: the prompt once, then one token per forward (what sample.py does)
     plain     build-nanogpt's loop: the whole sequence through the model for every new token
 """
 import argparse
@@ -18,7 +18,6 @@ import torch
 
 import common  # before tokenizer and train_gpt2: it puts the repository root on sys.path
 from plumbing import cpu, speedups
-import sample
 import tokenizer
 from train_gpt2 import GPTConfig
 
@@ -50,7 +49,7 @@ def main():
           f"{args.dtype}; {torch.get_num_threads()} threads", flush=True)
     # The two run in lockstep, one token each in turn, each with its own stopwatch: the machine's
     # speed drifts by 2x within minutes, and this way the drift hits both alike.
-    ways = {"KV cache": sample.generate(model, idx, n, top_k=1), "plain": plain_generate(model, idx, n)}
+    ways = {"KV cache": model.generate(idx, n, top_k=1), "plain": plain_generate(model, idx, n)}
     seconds = {name: 0.0 for name in ways}
     tokens = {name: [] for name in ways}
     with speedups.autocast(args.dtype, "cpu"):

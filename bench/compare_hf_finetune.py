@@ -8,31 +8,31 @@ right answers.
 
 ours  the commands a user runs: `finetune.py --input train.jsonl --val_input val.jsonl --output_dir D`, then
       `train_gpt2.py --data_dir D --epochs N --n_layer .. --n_head .. --n_embd .. --block_size .. --no-compile`
-      with every fine-tuning default (finetune.training_defaults: rows, examples a step, learning rate, warmup,
+      with every fine-tuning default (train_gpt2.finetuning_defaults: rows, examples a step, learning rate, warmup,
       decay; train_gpt2.py prints them on its 'fine-tuning:' line). The bench adds only flags that change no
       weight: --dtype and --threads (the same for both sides), --task_examples (every val example is scored),
       --eval_interval (evaluations at the start and the end only: they cost time, not results) and
       --checkpoint_interval 0. The val loss and accuracy are the last 'val' and 'task' lines of its log.txt.
 hf    an independent loop, written as a Hugging Face user would: transformers' GPT2LMHeadModel from scratch
       (same shape, GPT-2's 50257 tokens, n_positions = our block size, GPT2Config's defaults otherwise, its
-      dropout of 0.1 included), the examples rendered by finetune.render (the same ids and target masks as
+      dropout of 0.1 included), the examples rendered by tasks.render (the same ids and target masks as
       ours: checked against our task folder), labels -100 on the non-targets, batches of --hf_batch examples
       padded to their longest with an attention_mask, reshuffled each epoch; AdamW (weight decay 0.01 on all
       but biases and LayerNorms, as Trainer groups them), linear warmup over 10% of the steps then linear
       decay to 0 (get_linear_schedule_with_warmup), gradient clipping at 1.0 (Trainer's max_grad_norm).
       Val loss: the mean over every val target token (each example's padding masked out and unseen: causal
       attention, right padding). Accuracy: transformers' generate, greedy (do_sample=False), stopping at
-      <|endoftext|> (eos_token_id=50256), max_new_tokens by finetune.task_accuracy's rule and the context's end,
-      scored with finetune.answer_key (exact match after whitespace normalization, or --answer_regex).
+      <|endoftext|> (eos_token_id=50256), max_new_tokens by answer.task_accuracy's rule and the context's end,
+      scored with answer.answer_key (exact match after whitespace normalization, or --answer_regex).
 
 Both run at the same time, each on --threads torch threads (1 by default: two processes on a 2-core machine;
 --one_at_a_time runs ours first, then hf). Wall times are each side's whole run (ours: its process, startup and
 its two evaluations included; hf: training and its evaluation), and their training steps alone, on this CPU
 at this moment; the quality figures are what this bench is for.
 
-To try another default: --set NAME=VALUE runs train_gpt2.py with that constant of finetune.py changed, as if
-edited (--set EXAMPLES_PER_STEP=16), and --our_flags adds flags (--our_flags '--max_lr 1e-3'); --only ours
-skips the HF loop, whose result does not depend on them.
+To try another default: --set NAME=VALUE runs train_gpt2.py with that constant of train_gpt2.py changed, as if
+edited (the fine-tuning defaults are EXAMPLES_PER_STEP, FINETUNE_LR, FINETUNE_ARGS: --set EXAMPLES_PER_STEP=16), and
+--our_flags adds flags (--our_flags '--max_lr 1e-3'); --only ours skips the HF loop, whose result does not depend on them.
 """
 import argparse
 import json
@@ -52,8 +52,10 @@ import torch
 import torch.nn.functional as F
 
 import common  # noqa: F401  (puts the repository root on sys.path)
-import finetune
+from answer import answer_key
+from dataloader import open_split, read_task
 from plumbing import cpu
+from tasks import render
 from tokenizer import EOT, VOCAB_SIZE, decode, encode
 
 REPO = common.REPO
@@ -116,12 +118,12 @@ def start_ours(args, work, block_size):
     subprocess.run([sys.executable, "finetune.py", "--input", args.train, "--val_input", args.val, "--output_dir",
                     task_dir] + (["--answer_regex", args.answer_regex] if args.answer_regex else []),
                    cwd=REPO, check=True, stdout=subprocess.DEVNULL, preexec_fn=common.die_with_parent())
-    n_val = finetune.read_task(task_dir)["splits"]["val"]["examples"]
-    # --set: train_gpt2.py with a constant of finetune.py (where the fine-tuning defaults are) or its own changed,
-    # as if edited: a default under test
-    launch = ["train_gpt2.py"] if not args.set else ["-c", "import ast, finetune, train_gpt2\n"
+    n_val = read_task(task_dir)["splits"]["val"]["examples"]
+    # --set: train_gpt2.py with one of its constants (the fine-tuning defaults among them) changed, as if edited: a
+    # default under test. finetuning_defaults reads them when the run starts, after these lines have set them.
+    launch = ["train_gpt2.py"] if not args.set else ["-c", "import ast, train_gpt2\n"
               f"for name, value in {[s.split('=', 1) for s in args.set]!r}:\n"
-              "    setattr(finetune if hasattr(finetune, name) else train_gpt2, name, ast.literal_eval(value))\n"
+              "    setattr(train_gpt2, name, ast.literal_eval(value))\n"
               "train_gpt2.world.run_main(train_gpt2.main)"]
     command = [sys.executable] + launch + ["--data_dir", task_dir, "--log_dir", log_dir, "--epochs", str(args.epochs),
                "--n_layer", str(args.n_layer), "--n_head", str(args.n_head), "--n_embd", str(args.n_embd),
@@ -161,13 +163,13 @@ def finish_ours(process, work, log_dir, times):
 # 3. Hugging Face: GPT2LMHeadModel on padded batches, as its users train it
 
 def render_file(path):
-    """Every example of a jsonl file as (ids, labels with -100 on non-targets, answer_start), by finetune.render;
+    """Every example of a jsonl file as (ids, labels with -100 on non-targets, answer_start), by tasks.render;
     a line finetune.py would drop (not JSON, a bad example) is skipped."""
     examples = []
     with open(path) as f:
         for line in filter(str.strip, f):
             try:
-                ids, targets, answer_start = finetune.render(json.loads(line))
+                ids, targets, answer_start = render(json.loads(line))
             except ValueError:   # (BadExample is one, as is json's error)
                 continue
             examples.append((ids, [i if t else -100 for i, t in zip(ids, targets)], answer_start))
@@ -175,7 +177,7 @@ def render_file(path):
 
 def same_as_task_folder(examples, task_dir, split):
     """Our trainer reads the task folder; the HF loop renders the jsonl: are they the same ids and targets?"""
-    tokens, targets, offsets = finetune.open_split(task_dir, split)
+    tokens, targets, offsets = open_split(task_dir, split)
     ids = [i for e in examples for i in e[0]]
     labels = [lab != -100 for e in examples for lab in e[1]]
     return (np.array_equal(np.asarray(tokens), ids) and np.array_equal(np.asarray(targets), labels)
@@ -236,21 +238,21 @@ def hf_val_loss(model, val, autocast):
 
 @torch.no_grad()
 def hf_accuracy(model, val, n_positions, answer_regex, autocast):
-    """Greedy answers by transformers' generate, scored as finetune.task_accuracy scores ours."""
+    """Greedy answers by transformers' generate, scored as answer.task_accuracy scores ours."""
     model.eval()
     right = 0
     for ids, _, answer_start in val:
         prompt, expected = ids[:answer_start], decode(ids[answer_start:-1])
         n_expected = len(encode(expected))
-        limit = 2 * n_expected + 16 if answer_regex else n_expected + 8   # finetune.task_accuracy's rule
-        limit = min(limit, n_positions - len(prompt))   # and the context's end, as sample.answer stops there
+        limit = 2 * n_expected + 16 if answer_regex else n_expected + 8   # answer.task_accuracy's rule
+        limit = min(limit, n_positions - len(prompt))   # and the context's end, as answer.answers stops there
         with autocast:
             out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                  do_sample=False, max_new_tokens=limit, eos_token_id=EOT, pad_token_id=EOT)
         answer = out[0, len(prompt):].tolist()
         answer = answer[:answer.index(EOT)] if EOT in answer else answer
-        key = finetune.answer_key(decode(answer), answer_regex)
-        right += key is not None and key == finetune.answer_key(expected, answer_regex)
+        key = answer_key(decode(answer), answer_regex)
+        right += key is not None and key == answer_key(expected, answer_regex)
     return right / len(val)
 
 def run_hf(args, train, val, block_size):
@@ -297,7 +299,7 @@ def parse_args(argv=None):
     a("--hf_dropout", type=float, default=0.1, help="GPT2Config's default")
     a("--our_flags", default="", help="more flags for train_gpt2.py, to try other settings (e.g. '--max_lr 5e-4')")
     a("--set", action="append", default=[], metavar="NAME=VALUE",
-      help="run train_gpt2.py with the constant NAME (of finetune.py or train_gpt2.py) set to VALUE (a Python literal), e.g. EXAMPLES_PER_STEP=8 "
+      help="run train_gpt2.py with its constant NAME set to VALUE (a Python literal), e.g. EXAMPLES_PER_STEP=8 "
            "or FINETUNE_LR=\"{'scratch': 5e-4, 'pretrained': 5e-5}\": a default under test")
     a("--only", choices=["ours", "hf"], help="run one side only")
     a("--one_at_a_time", action="store_true", help="ours, then hf (default: both at once)")
@@ -309,8 +311,8 @@ def parse_args(argv=None):
     import train_gpt2
     for name_value in args.set:
         name = name_value.split("=")[0]
-        if "=" not in name_value or not (hasattr(finetune, name) or hasattr(train_gpt2, name)):
-            raise SystemExit(f"error: --set {name_value}: not NAME=VALUE with NAME a constant of finetune.py or train_gpt2.py")
+        if "=" not in name_value or not hasattr(train_gpt2, name):
+            raise SystemExit(f"error: --set {name_value}: not NAME=VALUE with NAME a constant of train_gpt2.py")
     for path in filter(None, (args.train, args.val)):
         if not os.path.isfile(path):
             raise SystemExit(f"error: {path}: no such file")
@@ -332,7 +334,7 @@ def main(argv=None):
     if args.only != "hf":
         ours = start_ours(args, work, block_size)
         if not all(same_as_task_folder(examples, ours[1], split) for examples, split in ((train, "train"), (val, "val"))):
-            raise SystemExit("error: finetune.py's task folder holds other examples than finetune.render gives "
+            raise SystemExit("error: finetune.py's task folder holds other examples than tasks.render gives "
                              "(an example longer than --max_len 1024, cut by finetune.py?)")
         if args.one_at_a_time or args.only == "ours":
             results["ours"] = finish_ours(ours[0], work, *ours[2:])
