@@ -23,7 +23,7 @@ from tqdm import tqdm
 import tasks
 import tokenizer
 from dataloader import open_split, read_task
-from plumbing import cpu, speedups, world
+from plumbing import cpu, one_line, speedups, world
 
 # -----------------------------------------------------------------------------
 # 1. Greedy answers, many at once
@@ -108,6 +108,15 @@ def split_examples(data_dir, split="val"):
     tokens, _, offsets = open_split(data_dir, split)
     return [(tokens[s:a].tolist(), tokenizer.decode(tokens[a:e - 1])) for s, a, e in offsets.tolist()]
 
+def unmatched(examples, answer_regex):
+    """A warning line when some expected answers have no match of the answer regex (they can only count as wrong:
+    the regex or the data is off), else None."""
+    n = sum(answer_key(expected, answer_regex) is None for _, expected in examples) if answer_regex else 0
+    return n and f"warning: {n} of {len(examples)} expected answers have no match of --answer_regex " \
+                 f"{answer_regex!r}: they count as wrong"
+
+WARNED = set()  # the task folders whose unmatched answers this process has reported: once per run, not every eval
+
 def task_accuracy(model, examples, autocast=None, max_new_tokens=None, answer_regex=None, n=None, ranks=None,
                   lockstep=False):
     """The share of right answers, and this rank's (prompt text, expected, got) list.
@@ -123,8 +132,11 @@ def task_accuracy(model, examples, autocast=None, max_new_tokens=None, answer_re
         task = read_task(examples)
         if task is None:
             raise SystemExit(f"error: {examples}: no task.json, not a task folder")
-        answer_regex = answer_regex or task["answer_regex"]
-        examples = split_examples(examples)
+        answer_regex, folder = answer_regex or task["answer_regex"], examples
+        examples = split_examples(folder)[:n]
+        if folder not in WARNED and unmatched(examples, answer_regex) and (ranks is None or ranks.master):
+            print(unmatched(examples, answer_regex), file=sys.stderr)
+        WARNED.add(folder)
     examples = list(examples)[:n]
     rank, world_size = (ranks.rank, ranks.world_size) if ranks is not None and not lockstep else (0, 1)
     mine, right, results = examples[rank::world_size], 0, []
@@ -144,11 +156,33 @@ def task_accuracy(model, examples, autocast=None, max_new_tokens=None, answer_re
     right, total = counts.tolist()
     return (right / total if total else float("nan")), results
 
+def dataset_splits(name, config):
+    """The names of a Hugging Face dataset's splits (read from the hub, or from a local folder)."""
+    import datasets   # (here: local files need no datasets)
+    try:
+        return datasets.get_dataset_split_names(name, config_name=config)
+    except Exception as e:
+        raise SystemExit(f"error: --input {name}: cannot open it as a Hugging Face dataset (config {config}): "
+                         f"{one_line(e)}")
+
+def eval_split(args):
+    """The split that scoring reads from a Hugging Face dataset: its test split, else validation, never its train split
+    (finetune.py's default, which the model was probably trained on); None for local files."""
+    datasets = [name for name in args.input if tasks.is_dataset(name)]
+    if not datasets:
+        return None
+    splits = dataset_splits(datasets[0], args.hf_config)
+    for name in ("test", "validation"):
+        if name in splits:
+            return name
+    raise SystemExit(f"error: --input {datasets[0]} has no test or validation split (it has: {', '.join(splits)}); "
+                     "name the split to score with --hf_split")
+
 def score(model, task, args):
     """--input's examples, rendered as the model was trained (cut from the left to fit its context), answered and
     scored; three of them shown. Returns the accuracy."""
     answer_regex = args.answer_regex or (task or {}).get("answer_regex")
-    vars(args).update(train_on="completion", too_long="cut")
+    vars(args).update(train_on="completion", too_long="cut", hf_split=args.hf_split or eval_split(args))
     examples, _ = tasks.collect(tasks.open_sources(args.input, args, "--input"), args,
                                 task["templates"] if task else tasks.TEMPLATES, model.config.block_size)
     if not examples:
@@ -157,16 +191,16 @@ def score(model, task, args):
     examples = examples[:args.max_examples]
     accuracy, results = task_accuracy(model, examples, speedups.autocast(args.dtype, torch.device(args.device).type),
                                       args.max_new_tokens, answer_regex)
-    unmatched = sum(answer_key(expected, answer_regex) is None for _, expected in examples)
-    if unmatched:
-        print(f"warning: {unmatched} expected answers have no match of --answer_regex: they count as wrong",
-              file=sys.stderr)
+    if unmatched(examples, answer_regex):
+        print(unmatched(examples, answer_regex), file=sys.stderr)
     right = [is_right(got, expected, answer_regex) for _, expected, got in results]
     for i, (prompt, expected, got) in enumerate(results[:3]):   # (the prompt's end: where the answer follows)
         print(f"--- example {i + 1} ({'right' if right[i] else 'wrong'})\nprompt:   {prompt[-500:]!r}\n"
               f"expected: {expected!r}\ngot:      {got!r}")
     scoring = f"the first group of {answer_regex!r}" if answer_regex else "exact match after whitespace normalization"
-    print(f"task accuracy: {accuracy:.4f} ({sum(right)}/{len(results)} examples of {' '.join(args.input)}; {scoring})")
+    split = f", split {args.hf_split}" if any(tasks.is_dataset(name) for name in args.input) else ""
+    print(f"task accuracy: {accuracy:.4f} ({sum(right)}/{len(results)} examples of {' '.join(args.input)}{split}; "
+          f"{scoring})")
     return accuracy
 
 # -----------------------------------------------------------------------------
@@ -220,7 +254,12 @@ def chat(model, task, args, lines):
             print("note: an empty answer: this exchange is not kept", file=sys.stderr)
             messages.pop()
             continue
-        messages.append({"role": "assistant", "content": text.removeprefix(" ")})  # the template adds " "
+        # an answer that ran out of room never got the <|endoftext|> that ends the others: the history must not add one
+        cut = len(new) == min(args.max_new_tokens, block_size - len(ids))
+        if cut:
+            print(f"note: the answer was cut at {len(new)} tokens (--max_new_tokens, or the context's end): kept "
+                  "without <|endoftext|>, as the model left it", file=sys.stderr)
+        messages.append({"role": "assistant", "content": text.removeprefix(" "), "cut": cut})  # (the template adds " ")
     return n
 
 # -----------------------------------------------------------------------------
@@ -238,7 +277,7 @@ def parse_args(argv=None):
     a("--answer_regex", help="score answers by this regex's first group (default: the model's task.json's, else the "
       "whole answer, whitespace normalized)")
     a("--hf_config", help="the Hugging Face dataset's config (e.g. main for openai/gsm8k)")
-    a("--hf_split", default="train", help="its split (default: %(default)s)")
+    a("--hf_split", help="its split (default: test, else validation: not the train split the model learned)")
     a("--columns", type=str, default="", help="our fields from its columns: FIELD=COLUMN,... (see finetune.py)")
     a("--max_examples", type=int, help="only the first N examples")
     a("--max_new_tokens", type=int, help="most tokens per answer (default: scoring, from the expected answer's; "

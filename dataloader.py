@@ -171,11 +171,15 @@ class TaskLoader:
 
     def __init__(self, data_dir, split, B, T, rank=0, world_size=1, seed=1337):
         self.B, self.T, self.rank, self.world_size, self.seed = B, T, rank, world_size, seed
-        self.tokens, self.targets, self.examples = open_split(data_dir, split)
-        self.lengths = self.examples[:, 2] - self.examples[:, 0] - 1  # positions: inputs are an example's tokens but its last
-        if len(self.examples) and self.lengths.max() > T:
-            raise SystemExit(f"error: --data_dir {data_dir}: a {split} example fills {self.lengths.max()} positions, more than "
+        self.tokens, self.targets, examples = open_split(data_dir, split)
+        examples = examples.astype(np.int64).reshape(-1, 3)  # (an empty split's were float64 before finetune.py said)
+        lengths = examples[:, 2] - examples[:, 0] - 1  # positions: inputs are an example's tokens but its last
+        if split == "train" and len(examples) and lengths.max() > T:
+            raise SystemExit(f"error: --data_dir {data_dir}: a {split} example fills {lengths.max()} positions, more than "
                              f"--seq_len {T}: raise --seq_len, or prepare the data with finetune.py --max_len {T}")
+        # a val example that does not fit a row is left out of the val loss, not a reason to stop a run (too_long says)
+        self.too_long = int((lengths > T).sum())
+        self.examples, self.lengths = examples[lengths <= T], lengths[lengths <= T]
         summed = np.concatenate(([0], np.cumsum(self.targets, dtype=np.int64)))
         self.n_targets = summed[self.examples[:, 2]] - summed[self.examples[:, 0]]  # per example
         self.epoch, self.row = 0, 0
@@ -251,7 +255,10 @@ def open_training_data(args, task, ranks):
     loader = (TaskLoader if task is not None else DataLoader)(args.data_dir, "train", args.batch_size, args.seq_len,
                                                               ranks.rank, ranks.world_size, args.seed)
     if args.eval_interval > 0 and task is not None:
-        TaskLoader(args.data_dir, "val", 1, args.seq_len)  # (every val example must fit a row)
+        too_long = TaskLoader(args.data_dir, "val", 1, args.seq_len).too_long
+        if too_long:
+            ranks.print0(f"note: {too_long} val example{'s' * (too_long > 1)} longer than --seq_len {args.seq_len} "
+                         "positions left out of the val loss")
     elif args.eval_interval > 0:
         val_files = find_shards(args.data_dir, "val")
         if not val_files:

@@ -26,7 +26,8 @@ import numpy as np
 from dataloader import TASK_VERSION
 from plumbing import one_line
 from plumbing.checkpoints import atomic_write
-from tasks import TEMPLATES, FIELDS, check_answer_regex, collect, open_sources, parse_columns
+from tasks import FIELDS, TEMPLATES, check_answer_regex, collect, open_sources, parse_columns
+from tokenizer import decode
 
 SPLITS = ("train", "val")
 
@@ -52,7 +53,8 @@ def write_split(out_dir, split, examples):
     arrays = {
         "tokens": np.concatenate([e.ids for e in examples]) if examples else np.zeros(0, np.uint16),
         "targets": np.concatenate([e.targets for e in examples]) if examples else np.zeros(0, np.uint8),
-        "examples": np.stack([starts, starts + [e.answer_start for e in examples], ends], axis=1).reshape(-1, 3),
+        "examples": np.stack([starts, starts + np.array([e.answer_start for e in examples], np.int64), ends],
+                             axis=1).reshape(-1, 3),
     }
     for part, array in arrays.items():
         atomic_write(os.path.join(out_dir, f"task_{split}_{part}.npy"),
@@ -67,57 +69,95 @@ def check_output_dir(out_dir, overwrite):
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
         raise SystemExit(f"error: --output_dir {out_dir} is not empty; pass --overwrite to replace its task files")
 
+def split(args, templates):
+    """--input's examples as the train split; val: --val_input's, or --val_examples of --input's, chosen by the seed,
+    whole (both splits keep the input's order: the trainer shuffles). Returns (splits, counts, the sources' names)."""
+    sources = open_sources(args.input, args, "--input")
+    val_sources = open_sources(args.val_input, args, "--val_input") if args.val_input else []
+    examples, counts = collect(sources, args, templates, args.max_len)
+    if not examples:
+        raise SystemExit(f"error: --input {' '.join(args.input)}: no usable example (see the messages above)")
+    names = {"inputs": [s.name for s in sources], "val_inputs": [s.name for s in val_sources]}
+    if val_sources:
+        val, val_counts = collect(val_sources, args, templates, args.max_len, "val examples")
+        if not val:
+            raise SystemExit(f"error: --val_input {' '.join(args.val_input)}: no usable example")
+        for key in ("formats", "dropped", "cut", "trimmed"):
+            counts[key] += val_counts[key]
+        for key in ("joined", "glued"):
+            counts[key] = [counts[key][0] + val_counts[key][0], counts[key][1] or val_counts[key][1]]
+        return {"train": examples, "val": val}, counts, names
+    n_val = default_val_examples(len(examples)) if args.val_examples is None else args.val_examples
+    if n_val >= len(examples):
+        raise SystemExit(f"error: --val_examples {n_val} leaves no train example ({len(examples)} usable)")
+    chosen = set(seeded_order(len(examples), args.seed)[:n_val])
+    return ({"train": [e for i, e in enumerate(examples) if i not in chosen],
+             "val": [e for i, e in enumerate(examples) if i in chosen]}, counts, names)
+
+def prompt_key(example):
+    """An example's prompt (everything before its last answer), whitespace normalized."""
+    return " ".join(decode(example.ids[:example.answer_start]).split())
+
+def drop_overlap(splits, dedup):
+    """How many val examples also stand in train (the same prompt): val loss and accuracy would flatter the model on
+    them (Alpaca-style sets repeat prompts; a --val_input can share examples with --input). --dedup drops them."""
+    in_train = {prompt_key(e) for e in splits["train"]}
+    shared = [prompt_key(e) in in_train for e in splits["val"]]
+    if dedup:
+        splits["val"] = [e for e, s in zip(splits["val"], shared) if not s]
+    return sum(shared)
+
 def prepare(args):
     """--input (and --val_input) -> the task folder; returns task.json's dict."""
     check_output_dir(args.output_dir, args.overwrite)
-    sources = open_sources(args.input, args, "--input")
-    val_sources = open_sources(args.val_input, args, "--val_input") if args.val_input else []
-    examples, counts = collect(sources, args, TEMPLATES, args.max_len)
-    if not examples:
-        raise SystemExit(f"error: --input {' '.join(args.input)}: no usable example (see the messages above)")
-    if val_sources:
-        val, val_counts = collect(val_sources, args, TEMPLATES, args.max_len, "val examples")
-        if not val:
-            raise SystemExit(f"error: --val_input {' '.join(args.val_input)}: no usable example")
-        for key in counts:
-            counts[key] += val_counts[key]
-        splits = {"train": examples, "val": val}
-    else:   # whole examples, chosen by the seed; both splits keep input order (the trainer shuffles)
-        n_val = default_val_examples(len(examples)) if args.val_examples is None else args.val_examples
-        if n_val >= len(examples):
-            raise SystemExit(f"error: --val_examples {n_val} leaves no train example ({len(examples)} usable)")
-        chosen = set(seeded_order(len(examples), args.seed)[:n_val])
-        splits = {"train": [e for i, e in enumerate(examples) if i not in chosen],
-                  "val": [e for i, e in enumerate(examples) if i in chosen]}
+    templates = {**TEMPLATES, "prompt_completion": {"separator": args.separator}}
+    splits, counts, names = split(args, templates)
+    overlap = drop_overlap(splits, args.dedup)
     formats = dict(sorted(counts["formats"].items()))
     task = {"kind": "task", "version": TASK_VERSION, "format": next(iter(formats)) if len(formats) == 1 else "mixed",
-            "formats": formats, "templates": TEMPLATES, "train_on": args.train_on, "max_len": args.max_len,
-            "answer_regex": args.answer_regex, "splits": {},
-            "inputs": [s.name for s in sources], "val_inputs": [s.name for s in val_sources],
-            "columns": args.columns, "dropped": dict(sorted(counts["dropped"].items())),
-            "too_long": args.too_long, "cut": counts["cut"]}
+            "formats": formats, "templates": templates, "train_on": args.train_on, "max_len": args.max_len,
+            "answer_regex": args.answer_regex, "splits": {}, **names, "columns": args.columns,
+            "dropped": dict(sorted(counts["dropped"].items())), "too_long": args.too_long, "cut": counts["cut"],
+            "trimmed": counts["trimmed"], "overlap": overlap, "dedup": args.dedup,
+            **{kind: counts[kind][0] for kind in ("joined", "glued")}}
     task_path = os.path.join(args.output_dir, "task.json")
     try:
         os.makedirs(args.output_dir, exist_ok=True)
         if os.path.exists(task_path):   # first: a run stopped while rewriting leaves a folder that says it is incomplete
             os.remove(task_path)
-        task["splits"] = {split: write_split(args.output_dir, split, splits[split]) for split in SPLITS}
+        task["splits"] = {name: write_split(args.output_dir, name, splits[name]) for name in SPLITS}
         atomic_write(task_path, lambda f: f.write(json.dumps(task, indent=1).encode() + b"\n"))
     except OSError as e:   # no permission, disk full, ...: one line
         raise SystemExit(f"error: cannot write to --output_dir {args.output_dir}: {one_line(e)}")
-    print_summary(args.output_dir, task)
+    print_summary(args.output_dir, task, {kind: counts[kind][1] for kind in ("joined", "glued")})
     return task
 
-def print_summary(out_dir, task):
+BOUNDARY_ADVICE = {  # what print_summary says of tasks.boundary's two kinds, with the first example of each
+    "joined": "examples whose prompt and completion tokenize differently once joined (a token across them), e.g. "
+              "{}: move the space from the prompt's end to the completion's start",
+    "glued": "examples with nothing between prompt and completion, e.g. {}: pass --separator '\\n' (kept in "
+             "task.json, so the model is asked the same way)",
+}
+
+def print_summary(out_dir, task, first_examples):
     print(f"{out_dir}: {', '.join(f'{n:,} {fmt}' for fmt, n in task['formats'].items())}, train on {task['train_on']}")
-    for split, s in task["splits"].items():
-        print(f"  {split:5s} {s['examples']:,} examples, {s['tokens']:,} tokens, {s['targets']:,} targets "
+    for name, s in task["splits"].items():
+        print(f"  {name:5s} {s['examples']:,} examples, {s['tokens']:,} tokens, {s['targets']:,} targets "
               f"({s['targets'] / max(1, s['tokens']):.1%} of tokens), longest {s['longest']} positions")
     dropped = task["dropped"]
     print(f"  dropped {sum(dropped.values()):,}" + (f" ({', '.join(f'{why} {n}' for why, n in dropped.items())})"
                                                     if dropped else "") +
           f"; too long (> --max_len {task['max_len']} positions, --too_long {task['too_long']}): "
-          f"{task['cut']} cut from the left, {dropped.get('too long', 0)} dropped")
+          f"{task['cut']} prompts cut from the left, {task['trimmed']} chats shortened by their oldest exchanges, "
+          f"{dropped.get('too long', 0)} dropped")
+    if task["overlap"]:
+        print(f"  {task['overlap']:,} val examples also in train (same prompt): " +
+              ("dropped from val (--dedup)" if task["dedup"] else "their val loss and accuracy flatter the model; "
+               "--dedup drops them"))
+    for kind, advice in BOUNDARY_ADVICE.items():
+        if task[kind]:
+            where, prompt, completion = first_examples[kind]
+            print(f"  {task[kind]:,} " + advice.format(f"{where}: {prompt[-40:]!r} + {completion[:40]!r}"))
 
 # -----------------------------------------------------------------------------
 # 2. The offline demo's task
@@ -206,6 +246,9 @@ def parse_args(argv=None):
     a("--max_len", type=int, default=1024, help="most positions an example may take (tokens - 1; default: 1024)")
     a("--too_long", choices=["cut", "drop"], default="cut",
       help="a longer example: cut its prompt from the left, or drop it (default: %(default)s)")
+    a("--separator", default="", help="text put between each prompt and its completion (prompt/completion data), "
+      "e.g. '\\n'; task.json keeps it, so the model is asked the same way (\\n and \\t read as newline and tab)")
+    a("--dedup", action="store_true", help="drop val examples whose prompt also stands in train")
     a("--answer_regex", help="score answers by this regex's first group, e.g. '#### (.*)' for GSM8K "
       "(default: the whole answer, whitespace normalized)")
     a("--hf_config", help="the Hugging Face dataset's config (e.g. main for openai/gsm8k)")
@@ -219,6 +262,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     # every cheap check before any work
     args.columns = parse_columns(args.columns)
+    args.separator = args.separator.replace("\\n", "\n").replace("\\t", "\t")
     if args.answer_regex is not None:
         check_answer_regex(args.answer_regex)
     for flag in ("max_len", "val_examples"):

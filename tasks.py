@@ -1,15 +1,13 @@
 """
-Task examples, the way finetune.py prepares them and answer.py asks them: their three formats and the templates that
-turn them into text, where they come from (.jsonl and .parquet files, Hugging Face datasets), and how each one becomes
-token ids with a target mask. A library: finetune.py writes task folders with it, answer.py scores and talks with it,
-sample.py prompts a fine-tuned model with it.
+Task examples: their three formats and the templates that turn them into text, where they come from (.jsonl and
+.parquet files, Hugging Face datasets), and how each becomes token ids with a target mask. A library: finetune.py
+writes task folders with it, answer.py scores and talks with it, sample.py prompts a fine-tuned model with it.
 
 One example per line (.jsonl) or row (.parquet, a dataset), its format told by its keys:
     {"prompt": ..., "completion": ...}                               prompt + completion + <|endoftext|>
     {"instruction": ..., "input": ... (optional), "output": ...}     Alpaca: TEMPLATES["alpaca"] around them
     {"messages": [{"role": "system" | "user" | "assistant", "content": ...}, ...]}   chat: TEMPLATES["chat"]
-The model learns to predict each answer and the <|endoftext|> after it (the targets), not the prompts, which
-it is only given.
+The targets, what the model learns to predict: each answer and the <|endoftext|> after it, not the prompts.
 """
 import collections
 import glob
@@ -40,6 +38,8 @@ TEMPLATES = {
     # learns to stop; "\n" after it when the user speaks again
     "chat": {"system": "System: {content}\n", "user": "User: {content}\n", "assistant": "Assistant:",
              "answer": " {content}", "after_answer": "\n"},
+    # prompt + separator + completion: nothing between them unless finetune.py --separator says (it is part of the prompt)
+    "prompt_completion": {"separator": ""},
 }
 FORMAT_KEYS = {"prompt_completion": ("prompt", "completion"), "alpaca": ("instruction", "input", "output"),
                "chat": ("messages",)}
@@ -106,7 +106,9 @@ def chat_pieces(messages, chat, last_role="assistant"):
     for i, m in enumerate(messages):
         if m["role"] == "assistant":
             nonempty(m["content"], "empty answer", f"messages[{i}].content")
-            pieces += [(chat["assistant"], False), (chat["answer"].format(content=m["content"]), True), (EOT, True)]
+            pieces += [(chat["assistant"], False), (chat["answer"].format(content=m["content"]), True)]
+            if not m.get("cut"):   # (answer.py --chat keeps an answer that --max_new_tokens cut off without one)
+                pieces.append((EOT, True))
         else:
             nonempty(m["content"], "empty prompt", f"messages[{i}].content")
             if i > 0 and messages[i - 1]["role"] == "assistant":   # after an answer's EOT, before the next user turn
@@ -123,10 +125,10 @@ def alpaca_prompt(alpaca, instruction, input_text):
 def example_pieces(example, templates):
     """The example as (text, is_target) pieces in order; (EOT, True) ends each answer."""
     fmt = detect_format(example)
-    if fmt == "prompt_completion":   # exactly prompt + completion + <|endoftext|>: nothing added
+    if fmt == "prompt_completion":   # exactly prompt + completion + <|endoftext|>: nothing added (but a --separator)
         prompt = nonempty(text_field(example, "prompt"), "empty prompt", "'prompt'")
         completion = nonempty(text_field(example, "completion"), "empty answer", "'completion'")
-        return [(prompt, False), (completion, True), (EOT, True)]
+        return [(prompt + separator(templates), False), (completion, True), (EOT, True)]
     if fmt == "alpaca":
         instruction, output = text_field(example, "instruction"), text_field(example, "output")
         # "input" is optional; null is absent (datasets fill missing cells with null)
@@ -134,6 +136,9 @@ def example_pieces(example, templates):
         prompt = alpaca_prompt(templates["alpaca"], instruction, input_text)
         return [(prompt, False), (nonempty(output, "empty answer", "'output'"), True), (EOT, True)]
     return chat_pieces(example["messages"], templates["chat"])
+
+def separator(templates):  # what comes between a prompt and its completion (none in task.json files from before it)
+    return templates.get("prompt_completion", {}).get("separator", "")
 
 def render(example, templates=TEMPLATES, train_on="completion"):
     """An example -> (ids, targets, answer_start): targets[i] is 1 where the model learns to predict ids[i]
@@ -151,21 +156,41 @@ def render(example, templates=TEMPLATES, train_on="completion"):
     assert targets[0] == 0 and ids[-1] == EOT and 0 < answer_start < len(ids) - 1
     return ids, targets, answer_start
 
-def fit(ids, targets, answer_start, max_len, too_long):
-    """An example takes len(ids) - 1 positions of a row (inputs ids[:-1], targets ids[1:]). Longer than
-    max_len: --too_long drop, or cut the prompt from the left, keeping the last answer and its EOT whole and at
-    least one token before them. Returns (ids, targets, answer_start, note); note is None if it fit."""
+def fit(example, templates, train_on, max_len, too_long):
+    """render()'s (ids, targets, answer_start), fitted to max_len positions (an example takes len(ids) - 1: inputs
+    ids[:-1], targets ids[1:]), and a note saying what was cut (None if nothing). Longer: --too_long drop drops it;
+    cut cuts its prompt from the left, keeping the last answer and its EOT whole and at least one token before them;
+    a chat instead loses its oldest exchanges (drop_oldest_exchanges)."""
+    ids, targets, answer_start = render(example, templates, train_on)
     excess = len(ids) - 1 - max_len
     if excess <= 0:
         return ids, targets, answer_start, None
     what = f"too long: {len(ids) - 1} positions > --max_len {max_len}"
     if too_long == "drop":
         raise BadExample(f"{what}; dropped (--too_long drop)")
+    if detect_format(example) == "chat":
+        return drop_oldest_exchanges(example["messages"], templates, train_on, max_len, what)
     if excess >= answer_start:
         raise BadExample(f"{what}; dropped: its last answer and <|endoftext|> alone take "
                          f"{len(ids) - answer_start} positions")
     targets = [0] + targets[excess + 1:]   # the new first token has nothing before it: never a target
     return ids[excess:], targets, answer_start - excess, f"{what}: cut {excess} prompt tokens from the left"
+
+def drop_oldest_exchanges(messages, templates, train_on, max_len, what):
+    """A chat too long for max_len: its oldest exchanges (a user turn and its answer) go, never the system turn, until
+    it fits, as answer.py --chat trims a conversation. Cutting tokens instead would keep an answer whose question was
+    cut away, and the model would learn to answer what it was not asked. None that fits alone: the chat is dropped."""
+    first = 1 if messages[0]["role"] == "system" else 0
+    full, kept = len(render({"messages": messages}, templates, train_on)[0]), list(messages)
+    while len(kept) - first > 2:
+        del kept[first:first + 2]
+        ids, targets, answer_start = render({"messages": kept}, templates, train_on)
+        if len(ids) - 1 <= max_len:
+            n = (len(messages) - len(kept)) // 2
+            return ids, targets, answer_start, (f"{what}: dropped its {n} oldest exchange{'s' * (n > 1)} "
+                                                f"({full - len(ids)} tokens), every answer kept with its question")
+    raise BadExample(f"{what}; dropped: its last exchange{' and the system turn alone take' if first else ' alone takes'} "
+                     f"{len(render({'messages': kept}, templates, train_on)[0]) - 1} positions")
 
 def prompt_ids(task, prompt):
     """What a model fine-tuned on `task` (a task.json dict) continues to answer `prompt`: a string, or (chat)
@@ -180,7 +205,7 @@ def prompt_ids(task, prompt):
                 for t in ([EOT] if isinstance(p, int) else encode(p))]
     if fmt == "alpaca":
         return encode(alpaca_prompt(templates["alpaca"], prompt, None))
-    return encode(prompt)
+    return encode(prompt + separator(templates))
 
 # -----------------------------------------------------------------------------
 # 2. Where examples come from: local .jsonl / .parquet files, or a Hugging Face dataset, streamed
@@ -190,12 +215,41 @@ def prompt_ids(task, prompt):
 
 Source = collections.namedtuple("Source", "name rows")   # rows() -> iterator of (where, row)
 
+def parse_columns(text):
+    """--columns 'prompt=question,completion=answer' -> {"prompt": "question", "completion": "answer"}."""
+    columns = {}
+    for pair in filter(None, text.split(",")):
+        ours, _, theirs = pair.partition("=")
+        if ours.strip() not in FIELDS or not theirs.strip():
+            raise SystemExit(f"error: --columns {text}: {pair!r} is not FIELD=COLUMN with FIELD one of "
+                             f"{', '.join(FIELDS)}")
+        columns[ours.strip()] = theirs.strip()
+    return columns
+
+def check_answer_regex(answer_regex):
+    try:
+        groups = re.compile(answer_regex).groups
+    except re.error as e:
+        raise SystemExit(f"error: --answer_regex {answer_regex!r}: {e}")
+    if groups < 1:
+        raise SystemExit(f"error: --answer_regex {answer_regex!r} has no group: put the answer in (...)")
+
+def unique_keys(pairs):
+    """json's object_pairs_hook: a key given twice is an error, not (as json.loads has it) the last one silently winning."""
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) < len(keys):
+        twice = next(k for k in keys if keys.count(k) > 1)
+        raise BadExample(f"duplicate key: {twice!r} appears {keys.count(twice)} times")
+    return dict(pairs)
+
 def jsonl_rows(path):
     with open(path, "rb") as f:
         for line_no, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    yield f"{path}:{line_no}", json.loads(line)
+                    yield f"{path}:{line_no}", json.loads(line, object_pairs_hook=unique_keys)
+                except BadExample as e:
+                    yield f"{path}:{line_no}", e
                 except ValueError as e:   # (bytes that are not UTF-8 too)
                     yield f"{path}:{line_no}", BadExample(f"not JSON: {e}")
 
@@ -214,13 +268,16 @@ def dataset_source(where, columns, failure, **load_dataset_args):
                          f" (columns: {', '.join(known)}); see --columns")
     return Source(where, lambda: ((f"{where}:{i}", row) for i, row in enumerate(ds, 1)))
 
+def is_dataset(name):  # no local .jsonl/.parquet file or pattern: a Hugging Face dataset (or a folder laid out like one)
+    return os.path.isdir(name) or not (any(c in name for c in "*?[") or name.lower().endswith(SUFFIXES) or
+                                       os.path.isfile(name))
+
 def open_sources(names, args, flag):
     """--input / --val_input values -> sources, in order; every file is checked before any is read.
     A name that is no local file, folder or pattern is a dataset on the Hugging Face hub."""
     sources = []
     for name in names:
-        local = any(c in name for c in "*?[") or name.lower().endswith(SUFFIXES) or os.path.isfile(name)
-        if os.path.isdir(name) or not local:
+        if is_dataset(name):
             sources.append(dataset_source(name, args.columns, f"--input {name}: cannot open it as a Hugging Face "
                                           f"dataset (config {args.hf_config}, split {args.hf_split})",
                                           path=name, name=args.hf_config, split=args.hf_split))
@@ -248,8 +305,10 @@ def open_sources(names, args, flag):
 Example = collections.namedtuple("Example", "ids targets answer_start")   # ids uint16, targets uint8 arrays
 
 def collect(sources, args, templates, max_len, what="examples"):
-    """Render every row; each bad one gets its line 'where: why' and is counted, the good ones all go on."""
-    examples, counts = [], {"formats": collections.Counter(), "dropped": collections.Counter(), "cut": 0}
+    """Render every row; each bad one gets its line 'where: why' and is counted, the good ones all go on. Also counted:
+    the formats, what was cut, and the prompts whose boundary with their answer a user should look at (boundary)."""
+    examples, counts = [], {"formats": collections.Counter(), "dropped": collections.Counter(), "cut": 0,
+                            "trimmed": 0, "joined": [0, None], "glued": [0, None]}
     bar = tqdm(desc=f"rendering {what}", unit="ex", dynamic_ncols=True, leave=False)
     for source in sources:
         for where, row in source.rows():
@@ -260,38 +319,32 @@ def collect(sources, args, templates, max_len, what="examples"):
                 if args.columns and isinstance(row, dict):   # exactly the mapped columns, under our names
                     row = {ours: row[theirs] for ours, theirs in args.columns.items() if theirs in row}
                 fmt = detect_format(row)
-                ids, targets, answer_start, note = fit(*render(row, templates, args.train_on), max_len, args.too_long)
+                ids, targets, answer_start, note = fit(row, templates, args.train_on, max_len, args.too_long)
             except BadExample as e:
                 tqdm.write(f"{where}: {e}", file=sys.stderr)
                 counts["dropped"][str(e).split(":")[0]] += 1
                 continue
             if note:
                 tqdm.write(f"{where}: {note}", file=sys.stderr)
-                counts["cut"] += 1
+                counts["trimmed" if fmt == "chat" else "cut"] += 1
+            for kind in boundary(row, fmt, templates):
+                counts[kind][0] += 1
+                counts[kind][1] = counts[kind][1] or (where, row["prompt"] + separator(templates), row["completion"])
             counts["formats"][fmt] += 1
             examples.append(Example(np.array(ids, np.uint16), np.array(targets, np.uint8), answer_start))
     bar.close()
     return examples, counts
 
+# Where a prompt meets its answer: encoded apart (see render), the boundary is exact, but two kinds of prompt/completion
+# data train on tokens the user probably did not mean. joined: "The answer is " + "42" trains on ' ' + '42' where the
+# joined text has ' 42': consistent, but a pretrained GPT-2 rarely saw that split, and re-tokenizing the joined text gives
+# other ids (the space belongs at the completion's start). glued: "What is 3 plus 3?" + "3 plus 3 is 6." has nothing
+# between them, so the model learns answers glued to the question mark (finetune.py --separator "\n" is the usual fix).
 
-# -----------------------------------------------------------------------------
-# 4. Flags that finetune.py and answer.py share
-
-def parse_columns(text):
-    """--columns 'prompt=question,completion=answer' -> {"prompt": "question", "completion": "answer"}."""
-    columns = {}
-    for pair in filter(None, text.split(",")):
-        ours, _, theirs = pair.partition("=")
-        if ours.strip() not in FIELDS or not theirs.strip():
-            raise SystemExit(f"error: --columns {text}: {pair!r} is not FIELD=COLUMN with FIELD one of "
-                             f"{', '.join(FIELDS)}")
-        columns[ours.strip()] = theirs.strip()
-    return columns
-
-def check_answer_regex(answer_regex):
-    try:
-        groups = re.compile(answer_regex).groups
-    except re.error as e:
-        raise SystemExit(f"error: --answer_regex {answer_regex!r}: {e}")
-    if groups < 1:
-        raise SystemExit(f"error: --answer_regex {answer_regex!r} has no group: put the answer in (...)")
+def boundary(example, fmt, templates):
+    """Which of 'joined' and 'glued' (above) this example is: a list of none, one or both."""
+    if fmt != "prompt_completion":
+        return []
+    prompt, completion = example["prompt"] + separator(templates), example["completion"]
+    kinds = ["joined"] if encode(prompt) + encode(completion) != encode(prompt + completion) else []
+    return kinds + (["glued"] if not prompt[-1].isspace() and not completion[0].isspace() else [])

@@ -386,11 +386,10 @@ MAX_SKIPPED_STEPS = 5
 DIVERGED_LOSS = 2 * math.log(PADDED_VOCAB_SIZE)
 
 class Run:
-    """What travels from stage to stage. Fixed when the run starts: the arguments (resolved once, by resolve_args,
-    and never written after), this rank (ranks), the task when the data is a finetune.py folder, whether the run is
-    sharded, the gradient accumulation steps. Then filled by main() with what each stage returns, in its order: the
-    data loader, HellaSwag's examples (None: not measured) and the lock on --log_dir, the device, dtype and IPEX, the
-    model, the optimizer and the wrapped model."""
+    """What travels from stage to stage. Fixed when the run starts: the arguments (resolved once, by resolve_args, and
+    never written after), this rank, the task (a finetune.py folder's), whether the run is sharded, the accumulation
+    steps. Then filled by main() with what each stage returns, in its order: the data loader, HellaSwag's examples (None:
+    not measured), the lock on --log_dir, the device, dtype and IPEX, the model, the optimizer and the wrapped model."""
 
     def __init__(self, args, ranks, task):
         self.args, self.ranks, self.task = args, ranks, task
@@ -426,9 +425,9 @@ def finetuning_defaults(args, given, task, world_size):
     if task["splits"]["train"]["examples"] == 0:
         raise SystemExit(f"error: --data_dir {args.data_dir} holds no training examples")
     vars(args).update({k: v for k, v in FINETUNE_ARGS.items() if k not in given})
-    train = task["splits"]["train"]
-    if "seq_len" not in given:  # rows as long as the longest example, rounded up to 64
-        args.seq_len = min(-(-train["longest"] // 64) * 64, args.block_size, 1024)
+    train, longest = task["splits"]["train"], max(split["longest"] for split in task["splits"].values())
+    if "seq_len" not in given:  # rows as long as the longest example (val's too), rounded up to 64
+        args.seq_len = min(-(-longest // 64) * 64, args.block_size, 1024)
     if "batch_size" not in given:  # rows per micro-step and rank
         per_row = args.seq_len / (train["tokens"] / train["examples"] - 1)
         args.batch_size = max(1, round(EXAMPLES_PER_STEP / per_row / world_size))
@@ -612,7 +611,7 @@ def evaluate(run, step, due):
     args, ranks, model = run.args, run.ranks, run.raw_model
     model.eval()
     val_loss = None
-    if due(args.eval_interval):  # the mean loss over every val target
+    if due(args.eval_interval):  # the mean loss over every val target (a task may have none: then no val line)
         stats = torch.zeros(2, dtype=torch.float64, device=ranks.device)  # summed loss, target count
         with torch.no_grad():
             for batch in dataloader.val_batches(args, run.task, ranks, lockstep=run.sharded):
@@ -621,10 +620,12 @@ def evaluate(run, step, due):
                     _, loss = model(x.to(ranks.device), y.to(ranks.device), packed=packed and packed.to(ranks.device))
                 counted = int((y != IGNORE).sum()) * (batch is not None)
                 stats += torch.tensor([loss.item() * counted, counted], dtype=torch.float64, device=ranks.device)
-        val_loss = (ranks.all_reduce_sum(stats)[0] / stats[1].clamp(min=1)).item()
-        ranks.print0(f"validation loss: {val_loss:.4f}")
-        append_log(args.log_dir, ranks, f"{step} val {val_loss:.4f}")
-        if run.task is not None and run.task["splits"]["val"]["examples"] > 0:  # do the answers come out right?
+        total, count = ranks.all_reduce_sum(stats).tolist()
+        if count:
+            val_loss = total / count
+            ranks.print0(f"validation loss: {val_loss:.4f}")
+            append_log(args.log_dir, ranks, f"{step} val {val_loss:.4f}")
+        if run.task is not None and run.task["splits"]["val"]["examples"]:  # do the answers come out right?
             n = min(args.task_examples, run.task["splits"]["val"]["examples"])
             import answer
             acc, _ = answer.task_accuracy(model, args.data_dir, run.autocast, n=n, ranks=ranks,

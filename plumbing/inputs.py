@@ -49,7 +49,7 @@ def max_token_id(path, tokens):
     cache_file = cache_dir("max_token_ids.json")
     cache = read_json(cache_file)
     if not isinstance(cache.get(key), int):  # (a cache file is input too: a damaged entry is worked out again)
-        cache[key] = int(tokens.max())
+        cache[key] = int(tokens.max()) if len(tokens) else -1  # (an empty split holds no id at all)
         write_json(cache_file, cache)
     return cache[key]
 
