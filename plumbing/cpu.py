@@ -167,12 +167,11 @@ MEASURE_ROUNDS = 5  # at least this many timed products per dtype, in turns acro
 # does 422 and 204. The process's CPU time says which products that happened to. Undisturbed, each thread
 # of a product is on a CPU all along (computing, or spin-waiting for the others, which counts too): CPU
 # time = wall time x threads; a thread taken off its CPU lowers that share. The whole process's CPU time,
-# not the calling thread's: OpenMP's waiting thread spins on its CPU for milliseconds while a descheduled
-# partner holds the product up, and only the partner's missing time shows it. (Not the spread between
-# trials: jobs that hold the cores steadily slow every trial alike.) A library may run a product on fewer
-# threads than torch has (PyTorch's bf16 fallback uses one), with a low share on a quiet machine too: so
-# each dtype's products are judged against the highest share any of them reached, once any product had
-# all its threads on a CPU. A measurement whose fastest products lost their cores goes on longer.
+# not the calling thread's: OpenMP's waiting thread spins on its CPU while a descheduled partner holds the
+# product up, and only the partner's missing time shows it. (Not the spread between trials: jobs that hold
+# the cores steadily slow every trial alike.) A library may run a product on fewer threads than torch has
+# (PyTorch's bf16 fallback uses one), with a low share on a quiet machine too: so each dtype's products are
+# judged against the highest share any of them reached, or one thread's worth if that is more.
 UNDISTURBED = 0.75  # a product whose share is at least this fraction of its dtype's highest ran undisturbed
 LONGER = 1.0  # seconds of products a disturbed measurement may go on for
 
@@ -198,10 +197,9 @@ def matmul_timer(width):
         return seconds, cpu_seconds / (seconds * torch.get_num_threads()) if seconds > 0 else 1.0
     return time_product
 
-# What measure_in_turns found: rates ({dtype: GFLOP/s}, each dtype's fastest product), running ({dtype: GFLOP/s}
-# counted over the time its threads ran: what the CPU did while it had the product), busy (some dtype's fastest
-# product was disturbed: the rates are low by an unknown factor), rounds (the turns each dtype got)
-Measurement = collections.namedtuple("Measurement", "rates running busy rounds")
+# What measure_in_turns found: rates ({dtype: GFLOP/s}, each dtype's fastest product), busy (some dtype's fastest
+# product lost its cores: the rates are low by an unknown factor), rounds (the turns each dtype got at its size)
+Measurement = collections.namedtuple("Measurement", "rates busy rounds")
 
 def measure_in_turns(dtypes, width, seconds=0.05, time_product=None, longer=0.0):
     """A Measurement of each dtype at the model's shape. For each dtype, M grows from 16 rows, 4x at a time up to
@@ -212,30 +210,30 @@ def measure_in_turns(dtypes, width, seconds=0.05, time_product=None, longer=0.0)
     or more while they span under 2 x `seconds` in all (a small model's products take a millisecond, less than a
     busy moment lasts), or, while some dtype's fastest product lost its cores, until they span `longer`: more
     turns, more chances to find the cores free. time_product: matmul_timer(width)'s kind."""
-    time_product = time_product or matmul_timer(width)
-    rows, fastest, top, ran = {}, {}, {}, {}  # at each dtype's size: (seconds, share) of the fastest product,
-    def timed(dtype):                          # the highest share, the least seconds x share
+    time_product, threads = time_product or matmul_timer(width), torch.get_num_threads()
+    rows, fastest, top = {}, {}, {}  # at each dtype's size: (seconds, share) of its fastest product, its highest share
+    def timed(dtype):
         took, share = time_product(dtype, rows[dtype])
-        fastest[dtype] = min(fastest.get(dtype, (math.inf, 0.0)), (took, share))
-        top[dtype], ran[dtype] = max(top.get(dtype, 0.0), share), min(ran.get(dtype, math.inf), took * min(1.0, share))
+        fastest[dtype], top[dtype] = min(fastest.get(dtype, (math.inf, 0.0)), (took, share)), max(top.get(dtype, 0.0), share)
         return took
     def grows(dtype):  # the next size, if the fastest product so far says it would still take under `seconds`
         if 4 * fastest[dtype][0] > seconds or rows[dtype] >= 1024:
             return False
         rows[dtype] *= 4
-        del fastest[dtype], top[dtype], ran[dtype]  # a new size: its own products only
+        del fastest[dtype], top[dtype]  # a new size: its own products only
         return True
     for dtype in dtypes:
         rows[dtype] = 16
         timed(dtype)
         while grows(dtype):
             timed(dtype)
-    # a dtype so slow that 16 rows take over `seconds` (PyTorch's bf16 fallback, ~100x slower) is not timed
-    # again: a second look would cost seconds at GPT-2 XL's width and tell nothing new
-    turns = [dtype for dtype in dtypes if rows[dtype] > 16 or fastest[dtype][0] <= seconds]
-    def undisturbed():  # each dtype's share when undisturbed: its highest, once some product had all its threads
-        full = max((top[d] for d in turns), default=1.0) >= UNDISTURBED  # on a CPU (else no product did: 1)
-        return {d: min(1.0, top[d]) if full else 1.0 for d in dtypes}
+    # a dtype so slow that 16 rows take over `seconds` of CPU time (PyTorch's bf16 fallback, ~100x slower) is not
+    # timed again: a second look would cost seconds at GPT-2 XL's width and tell nothing new. CPU time, as a product
+    # that lost its cores may take 50 ms for 20 microseconds of work: that one is timed again, in turns.
+    turns = [d for d in dtypes if rows[d] > 16 or fastest[d][0] * fastest[d][1] * threads <= seconds]
+    def undisturbed():  # each dtype's share when undisturbed: its highest, but at least one thread's worth, once
+        full = max((top[d] for d in turns), default=1.0) >= UNDISTURBED  # some product had all its threads on a CPU
+        return {d: max(1 / threads, min(1.0, top[d])) if full else 1.0 for d in dtypes}  # (else none did: all)
     def busy():  # some dtype's fastest product lost its cores for a while
         return any(fastest[d][1] < UNDISTURBED * undisturbed()[d] for d in turns)
     rounds, spent = 0, 0.0
@@ -245,9 +243,7 @@ def measure_in_turns(dtypes, width, seconds=0.05, time_product=None, longer=0.0)
         # a size cut short by a product that lost its cores (tiny products' rates are mostly call overhead) grows
         # once a faster product of it shows the next size fits after all, and the turns at the new size start over
         rounds = 0 if sum(grows(dtype) for dtype in turns) else rounds + 1
-    flops, share = {dtype: 2 * rows[dtype] * width * 4 * width / 1e9 for dtype in dtypes}, undisturbed()
-    return Measurement({d: flops[d] / fastest[d][0] for d in dtypes},
-                       {d: flops[d] * share[d] / max(ran[d], 1e-12) for d in dtypes}, busy(), rounds)
+    return Measurement({d: 2 * rows[d] * width * 4 * width / fastest[d][0] / 1e9 for d in dtypes}, busy(), rounds)
 
 def measure_matmul_rates(dtypes, width, seconds=0.05, time_product=None):
     """{dtype: GFLOP/s} measured now, at the model's shape, in turns (measure_in_turns)."""
@@ -283,21 +279,32 @@ def matmul_rates(dtypes, width, time_product=None):
 # same moment (like with like). A busy one measures longer first; if its fastest products still lost their
 # cores, and its rates are under half the best ones kept for this machine for every dtype, the kept ones
 # decide: they were measured in quieter moments. But noise cannot raise a rate, so a kept rate can only be
-# too high if the file was edited or copied, or the CPU got slower for good (issue #23): it counts only where
-# some product measured now, counted over the time its threads ran (Measurement.running), reaches an eighth
-# of it. Not all of it: a thread that spins while its partner waits for a CPU burns CPU time without
-# computing (AMD EPYC, 2 cores, AVX2, beside five busy processes: fp32 ran at 0.14-0.9 of its quiet rate).
+# too high if the file was edited or copied, or the CPU got slower for good, and then it must not sway the
+# choice (issue #23): so the kept rates are checked against a measurement on one thread. A product on one
+# thread waits for no partner and finds its core free between other jobs' time slices, where one on two
+# needs both cores at once (load average 7 on an AMD EPYC's 2 cores: fp32 at the demo's width did 64-74
+# GFLOP/s on one thread, 0.03-0.1 on two). And on T threads a product runs at most T times as fast as on one.
 BUSY_BELOW = 0.5  # fresh rates under this fraction of the kept ones, for every dtype: the machine is busy now
-KEPT_REACHED = 0.125  # a kept rate counts where a product measured now reached this fraction of it while running
+KEPT_PER_THREAD = 2.0  # a kept rate counts up to 2 x threads x the one-thread rate now (2: it may be busy too)
+
+def one_thread_rates(dtypes, width, time_product=None):
+    """{dtype: GFLOP/s} measured now on one of torch's threads, in turns (torch's thread count is put back)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return measure_in_turns(dtypes, width, time_product=time_product, longer=LONGER).rates
+    finally:
+        torch.set_num_threads(threads)
 
 def decision_rates(dtypes, width, time_product=None):
     """(rates, source, measurement) for speedups.resolve_dtype: {dtype: GFLOP/s}, 'now' or 'earlier' (the best rates
     kept for this machine, on a busy start, see above), and this start's Measurement. The cache keeps the best."""
     now = measure_in_turns(dtypes, width, time_product=time_product, longer=LONGER)
     kept = keep_best(now.rates, width)
-    if (now.busy and len(kept) == len(dtypes) and all(now.rates[d] < BUSY_BELOW * kept[d] for d in dtypes)
-            and all(now.running[d] >= KEPT_REACHED * kept[d] for d in dtypes)):
-        return kept, "earlier", now
+    if now.busy and len(kept) == len(dtypes) and all(now.rates[d] < BUSY_BELOW * kept[d] for d in dtypes):
+        threads, one = torch.get_num_threads(), one_thread_rates(dtypes, width, time_product)
+        if all(kept[d] <= KEPT_PER_THREAD * threads * one[d] for d in dtypes):
+            return kept, "earlier", now
     return now.rates, "now", now
 
 def rate_text(rate):

@@ -30,22 +30,32 @@ NOT_FASTER = {BF16: 200.0, FP32: 185.0}  # advertises bf16, runs it barely faste
 
 
 class FakeCPU:
-    """A CPU whose (rows, width) @ (width, 4 width) products run at the given GFLOP/s, each slowed by
-    slowdown(i) for the i-th product, and whose threads were on a CPU for ran(i, dtype) of the i-th product's
-    time (another job held the cores for the rest, so it took 1 / ran as long): measure_in_turns' time_product,
-    without a clock. uses: {dtype: the share of torch's threads its products use} (PyTorch's bf16 fallback: one)."""
+    """A CPU whose (rows, width) @ (width, 4 width) products run at the given GFLOP/s (with `threads` given: on
+    that many of torch's threads, proportionally less on fewer), each slowed by slowdown(i) for the i-th product, and whose threads
+    were on a CPU for ran(i, dtype) of the i-th product's time (another job held the cores for the rest, so it
+    took 1 / ran as long): measure_in_turns' time_product, without a clock. uses: {dtype: the share of torch's
+    threads its products use} (PyTorch's bf16 fallback uses one)."""
 
-    def __init__(self, width, gflops, slowdown=lambda i: 1.0, ran=lambda i, dtype: 1.0, uses=None):
+    def __init__(self, width, gflops, slowdown=lambda i: 1.0, ran=lambda i, dtype: 1.0, uses=None, threads=None):
         self.width, self.gflops, self.slowdown, self.ran, self.uses = width, dict(gflops), slowdown, ran, uses or {}
-        self.calls, self.seconds = [], 0.0
+        self.threads, self.calls, self.seconds = threads, [], 0.0
 
     def time_product(self, dtype, rows):
         self.calls.append((dtype, rows))
         i, flops = len(self.calls) - 1, 2 * rows * self.width * 4 * self.width
-        ran = self.ran(i, dtype)
-        seconds = flops / (self.gflops[dtype] * 1e9) * self.slowdown(i) / ran
+        ran, threads = self.ran(i, dtype), self.threads or torch.get_num_threads()
+        seconds = flops / (self.gflops[dtype] * min(1.0, torch.get_num_threads() / threads) * 1e9) * self.slowdown(i) / ran
         self.seconds += seconds
         return seconds, ran * self.uses.get(dtype, 1.0)
+
+
+@pytest.fixture
+def two_threads():
+    """torch on 2 threads, as on the hosts whose rates these tests use, whatever the test before left."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture
@@ -166,20 +176,24 @@ def test_a_cached_rate_above_the_cpus_does_not_sway_the_decision(cache, monkeypa
     assert cpu.MatmulRate("fp32", 128).gflops == pytest.approx(150.0)
 
 
-def busy_for_good(i, dtype):
-    """Another job holds the cores most of the time, for good: bf16's products got them for a tenth of their
-    time, fp32's for 0.4, so the rates measured now say fp32 is faster on a CPU where bf16 is 2.3x faster."""
-    return 0.1 if dtype == BF16 else 0.4
+def two_busy_loops(bf16, fp32):
+    """ran(i, dtype) of a machine where other jobs hold the cores most of the time, for good: a product on two
+    threads gets both cores at once for a share of its time, bf16's `bf16`, fp32's `fp32`; a product on one
+    thread waits for no partner and finds its core free between the other jobs' time slices."""
+    return lambda i, dtype: 1.0 if torch.get_num_threads() == 1 else {BF16: bf16, FP32: fp32}[dtype]
+
+
+busy_for_good = two_busy_loops(0.1, 0.4)  # the rates measured now say fp32 is faster where bf16 is 2.3x faster
 
 
 @pytest.mark.parametrize("native, gflops, expected", [(True, BF16_HOST, "bf16"), (False, AVX2_HOST, "fp32")])
-def test_a_busy_start_with_kept_rates_decides_as_a_quiet_one(cache, monkeypatch, native, gflops, expected):
+def test_a_busy_start_with_kept_rates_decides_as_a_quiet_one(cache, monkeypatch, two_threads, native, gflops, expected):
     """The issue's case: a CPU with native bf16 measured 'bf16 0 GFLOP/s vs fp32 0' beside two training jobs,
     and chose fp32. A quiet start keeps its rates; a busy one, whose products lose their cores, decides from them."""
     on_cpu(monkeypatch, native, gflops, width=128)
     quiet = speedups.resolve_dtype("auto", "cpu", 128)
     assert quiet[0] == expected
-    busy = on_cpu(monkeypatch, native, gflops, width=128, ran=busy_for_good)
+    busy = on_cpu(monkeypatch, native, gflops, width=128, ran=busy_for_good, threads=2)
     dtype, line = speedups.resolve_dtype("auto", "cpu", 128)
     assert dtype == expected, line
     rates = f"bf16 matmul {gflops[BF16]:.0f} GFLOP/s vs fp32 {gflops[FP32]:.0f}"  # the kept ones, as measured quietly
@@ -189,7 +203,7 @@ def test_a_busy_start_with_kept_rates_decides_as_a_quiet_one(cache, monkeypatch,
     assert read_json(cache) == pytest.approx({cpu.rate_key(d, 128): r for d, r in gflops.items()})
 
 
-def test_a_busy_start_without_kept_rates_measures_longer(cache, monkeypatch):
+def test_a_busy_start_without_kept_rates_measures_longer(cache, monkeypatch, two_threads):
     """No rates kept yet (a first start), and another job holds the cores for the first 60 products, then lets
     them go now and then: the usual measurement (0.1 s of products, 48 here) says fp32; measuring on until each
     dtype's fastest product had its cores finds bf16's lead."""
@@ -200,7 +214,7 @@ def test_a_busy_start_without_kept_rates_measures_longer(cache, monkeypatch):
     assert dtype == "bf16" and "bf16 matmul 420 GFLOP/s vs fp32 185, measured now;" in line
     assert 60 < len(fake.calls) <= 64  # it stopped once both dtypes' fastest products ran undisturbed
     # a machine busy for good: the measurement stops after cpu.LONGER seconds of products, and says so
-    fake = on_cpu(monkeypatch, True, BF16_HOST, width=128, ran=lambda i, dtype: 0.25)
+    fake = on_cpu(monkeypatch, True, BF16_HOST, width=128, ran=two_busy_loops(0.25, 0.25))
     cache.unlink()
     dtype, line = speedups.resolve_dtype("auto", "cpu", 128)
     rounds = fake.calls.count((FP32, 1024)) - 1  # (one was its size's first)
@@ -208,16 +222,20 @@ def test_a_busy_start_without_kept_rates_measures_longer(cache, monkeypatch):
     assert f"bf16 matmul 105 GFLOP/s vs fp32 46, measured now (this machine is busy: the best of {rounds} turns each);" in line
 
 
-def test_a_kept_rate_above_the_cpus_does_not_sway_a_busy_start(cache, monkeypatch):
-    """Issue #23's rule, on a busy start: an edited file says fp32 does 2000 GFLOP/s where this CPU does 185. No
-    product measured now reaches an eighth of that, even over the time its threads had the cores: so the
-    kept rates are not this CPU's, and the decision rests on the rates measured now."""
+def test_a_kept_rate_above_the_cpus_does_not_sway_a_busy_start(cache, monkeypatch, two_threads):
+    """Issue #23's rule, on a busy start: an edited file says fp32 does 2000 GFLOP/s where this CPU does 185. A
+    product on one thread, which waits for no partner, measures 92 now: two threads can't do 2000, so the kept
+    rates are not this CPU's, and the decision rests on the rates measured now."""
     cache.parent.mkdir(parents=True)
     cache.write_text(json.dumps({cpu.rate_key(FP32, 768): 2000.0, cpu.rate_key(BF16, 768): 420.0}))
-    on_cpu(monkeypatch, True, BF16_HOST, ran=lambda i, dtype: 0.25)
+    fake = on_cpu(monkeypatch, True, BF16_HOST, ran=two_busy_loops(0.25, 0.25), threads=2)
     dtype, line = speedups.resolve_dtype("auto", "cpu", 768)
     assert dtype == "bf16" and "bf16 matmul 105 GFLOP/s vs fp32 46, measured now (this machine is busy" in line
+    assert fake.calls[-1] == (FP32, 256) and torch.get_num_threads() == 2  # (measured on one thread last, and put back)
     assert read_json(cache)[cpu.rate_key(FP32, 768)] == 2000.0  # (kept: only a reset removes a rate too high)
+    # the genuine rates, kept by a quiet start, pass the same check
+    cache.write_text(json.dumps({cpu.rate_key(FP32, 768): 185.0, cpu.rate_key(BF16, 768): 420.0}))
+    assert "measured earlier" in speedups.resolve_dtype("auto", "cpu", 768)[1]
 
 
 def test_the_line_never_prints_a_rate_of_0(cache, monkeypatch):
@@ -230,16 +248,21 @@ def test_the_line_never_prints_a_rate_of_0(cache, monkeypatch):
     assert cpu.rate_text(0.4) == "0.4" and cpu.rate_text(9.96) == "10" and cpu.rate_text(184.6) == "185"
 
 
-def test_a_product_the_library_runs_on_fewer_threads_is_not_taken_for_a_busy_machine(cache, monkeypatch):
+def test_a_product_the_library_runs_on_fewer_threads_is_not_taken_for_a_busy_machine(cache, monkeypatch, two_threads):
     # PyTorch's bf16 fallback runs on one of torch's two threads: half the CPU time of a product that uses both,
     # on a quiet machine too. Judged against its own products' highest share, it was not descheduled.
     fake = on_cpu(monkeypatch, False, {BF16: 1.0, FP32: 170.0}, width=128, uses={BF16: 0.5})
     measured = cpu.measure_in_turns((BF16, FP32), 128, time_product=fake.time_product, longer=cpu.LONGER)
     assert not measured.busy and measured.rounds < 20 and fake.seconds < 0.5
     assert measured.rates == pytest.approx({BF16: 1.0, FP32: 170.0})
+    # but a dtype whose every product had less than one thread's worth of CPU time lost its cores each time
+    # (a longer product is more often descheduled), even where the other dtype's products had theirs
+    fake = on_cpu(monkeypatch, True, BF16_HOST, width=128, ran=lambda i, dtype: 0.2 if dtype == BF16 else 1.0)
+    measured = cpu.measure_in_turns((BF16, FP32), 128, time_product=fake.time_product, longer=cpu.LONGER)
+    assert measured.busy and fake.seconds >= cpu.LONGER
 
 
-def test_a_size_cut_short_by_a_product_that_lost_its_cores_grows_back(cache, monkeypatch):
+def test_a_size_cut_short_by_a_product_that_lost_its_cores_grows_back(cache, monkeypatch, two_threads):
     # bf16's 64-row product lost its cores for 20 ms, as if 64 rows were too many to grow from: measured at 64
     # rows (a product of 20 microseconds, mostly call overhead on a real CPU), bf16's rate would be too low.
     # The first undisturbed 64-row product shows the next size fits, and the measurement goes on from there.
@@ -248,6 +271,12 @@ def test_a_size_cut_short_by_a_product_that_lost_its_cores_grows_back(cache, mon
     assert fake.calls[:2] == [(BF16, 16), (BF16, 64)] and fake.calls[2][0] == FP32  # cut short at 64 rows
     assert fake.calls[-2:] == [(BF16, 1024), (FP32, 1024)]  # grown back to the size a quiet start measures
     assert fake.calls.count((BF16, 1024)) >= cpu.MEASURE_ROUNDS
+    # at GPT-2's width, bf16's first product (16 rows, 0.2 ms of work) lost its cores for 90 ms: timed once and
+    # left out of the turns, like PyTorch's slow fallback, it would say bf16 runs at 0.8 GFLOP/s; its CPU time
+    # (0.4 ms) says otherwise, so it takes its turns
+    fake = on_cpu(monkeypatch, True, BF16_HOST, ran=lambda i, dtype: 0.002 if i == 0 else 1.0)
+    dtype, line = speedups.resolve_dtype("auto", "cpu", 768)
+    assert dtype == "bf16" and "bf16 matmul 420 GFLOP/s vs fp32 185, measured now;" in line
 
 
 def test_the_timer_reads_the_share_of_the_product_its_threads_ran(monkeypatch, one_thread):
