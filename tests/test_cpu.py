@@ -1,9 +1,12 @@
 """The dtype follows the CPU: bf16 only where it is native and measured faster, fp32 everywhere else,
 whichever kind of CPU runs these tests, and ranks agree on it; the matmul rate behind that choice is a
 best, not a sample: measured at every start in turns (bf16, fp32, ...), kept as the best ever seen in a
-cache that a bad entry or a corrupt file cannot break, and measured again when a step beats it; the
-FLOPs count behind "N% of this CPU's matmul rate" is GPT-2's; every run says which CPU it ran on.
-The measurement is fed fake product times (a FakeCPU) wherever the host's speed would decide the result."""
+cache that a bad entry or a corrupt file cannot break, and measured again when a step beats it; on a busy
+machine (products that lose their cores, as their CPU time shows) the decision measures longer, or takes
+the rates kept when a one-thread measurement says they are this CPU's, and its line names its source and
+never prints 0; the FLOPs count behind "N% of this CPU's matmul rate" is GPT-2's; every run says which CPU
+it ran on. The measurement is fed fake product times and CPU shares (a FakeCPU) wherever the host's speed
+or load would decide the result."""
 import json
 import os
 import random
