@@ -162,16 +162,14 @@ def describe_cpu(threads):
 MEASURE_ROUNDS = 5  # at least this many timed products per dtype, in turns across the dtypes: the best counts
 
 # A busy machine. Another job on these cores takes them from torch's threads for whole scheduler time
-# slices (milliseconds), longer than a product takes, and a product that loses its cores runs at a fraction
-# of this CPU's rate: beside two training jobs, a start measured "bf16 0 GFLOP/s vs fp32 0" on a CPU that
-# does 422 and 204. The process's CPU time says which products that happened to. Undisturbed, each thread
-# of a product is on a CPU all along (computing, or spin-waiting for the others, which counts too): CPU
-# time = wall time x threads; a thread taken off its CPU lowers that share. The whole process's CPU time,
-# not the calling thread's: OpenMP's waiting thread spins on its CPU while a descheduled partner holds the
-# product up, and only the partner's missing time shows it. (Not the spread between trials: jobs that hold
-# the cores steadily slow every trial alike.) A library may run a product on fewer threads than torch has
-# (PyTorch's bf16 fallback uses one), with a low share on a quiet machine too: so each dtype's products are
-# judged against the highest share any of them reached, or one thread's worth if that is more.
+# slices, longer than a product takes, and a product that loses its cores runs at a fraction of this CPU's
+# rate: beside two training jobs, a start measured "bf16 0 GFLOP/s vs fp32 0" on a CPU that does 422 and
+# 204. The process's CPU time says which products that happened to: undisturbed, each thread of a product
+# is on a CPU all along (computing, or spin-waiting for the others), so CPU time = wall time x threads. The
+# whole process's, as OpenMP's waiting thread spins on its CPU while a descheduled partner holds the product
+# up. (Not the spread between trials: jobs that hold the cores steadily slow every trial alike.) A library
+# may run a product on fewer threads than torch has (PyTorch's bf16 fallback uses one), with a low share on
+# a quiet machine too: each dtype's products are judged against their highest share, or one thread's worth.
 UNDISTURBED = 0.75  # a product whose share is at least this fraction of its dtype's highest ran undisturbed
 LONGER = 1.0  # seconds of products a disturbed measurement may go on for
 
@@ -198,8 +196,10 @@ def matmul_timer(width):
     return time_product
 
 # What measure_in_turns found: rates ({dtype: GFLOP/s}, each dtype's fastest product), busy (some dtype's fastest
-# product lost its cores: the rates are low by an unknown factor), rounds (the turns each dtype got at its size)
-Measurement = collections.namedtuple("Measurement", "rates busy rounds")
+# product lost its cores: the rates are low by an unknown factor), rounds (the turns each dtype got at its size),
+# running ({dtype: GFLOP/s} over the time its threads were on a CPU, at best: exact on one thread, where no
+# thread spins waiting for another)
+Measurement = collections.namedtuple("Measurement", "rates busy rounds running")
 
 def measure_in_turns(dtypes, width, seconds=0.05, time_product=None, longer=0.0):
     """A Measurement of each dtype at the model's shape. For each dtype, M grows from 16 rows, 4x at a time up to
@@ -211,16 +211,17 @@ def measure_in_turns(dtypes, width, seconds=0.05, time_product=None, longer=0.0)
     busy moment lasts), or, while some dtype's fastest product lost its cores, until they span `longer`: more
     turns, more chances to find the cores free. time_product: matmul_timer(width)'s kind."""
     time_product, threads = time_product or matmul_timer(width), torch.get_num_threads()
-    rows, fastest, top = {}, {}, {}  # at each dtype's size: (seconds, share) of its fastest product, its highest share
-    def timed(dtype):
+    rows, fastest, top, ran = {}, {}, {}, {}  # at each dtype's size: (seconds, share) of its fastest product,
+    def timed(dtype):                          # its highest share, its least seconds x share
         took, share = time_product(dtype, rows[dtype])
         fastest[dtype], top[dtype] = min(fastest.get(dtype, (math.inf, 0.0)), (took, share)), max(top.get(dtype, 0.0), share)
+        ran[dtype] = min(ran.get(dtype, math.inf), took * min(1.0, share))
         return took
     def grows(dtype):  # the next size, if the fastest product so far says it would still take under `seconds`
         if 4 * fastest[dtype][0] > seconds or rows[dtype] >= 1024:
             return False
         rows[dtype] *= 4
-        del fastest[dtype], top[dtype]  # a new size: its own products only
+        del fastest[dtype], top[dtype], ran[dtype]  # a new size: its own products only
         return True
     for dtype in dtypes:
         rows[dtype] = 16
@@ -243,7 +244,9 @@ def measure_in_turns(dtypes, width, seconds=0.05, time_product=None, longer=0.0)
         # a size cut short by a product that lost its cores (tiny products' rates are mostly call overhead) grows
         # once a faster product of it shows the next size fits after all, and the turns at the new size start over
         rounds = 0 if sum(grows(dtype) for dtype in turns) else rounds + 1
-    return Measurement({d: 2 * rows[d] * width * 4 * width / fastest[d][0] / 1e9 for d in dtypes}, busy(), rounds)
+    flops = {d: 2 * rows[d] * width * 4 * width / 1e9 for d in dtypes}
+    return Measurement({d: flops[d] / fastest[d][0] for d in dtypes}, busy(), rounds,
+                       {d: flops[d] / max(ran[d], 1e-9) for d in dtypes})
 
 def measure_matmul_rates(dtypes, width, seconds=0.05, time_product=None):
     """{dtype: GFLOP/s} measured now, at the model's shape, in turns (measure_in_turns)."""
@@ -280,19 +283,20 @@ def matmul_rates(dtypes, width, time_product=None):
 # cores, and its rates are under half the best ones kept for this machine for every dtype, the kept ones
 # decide: they were measured in quieter moments. But noise cannot raise a rate, so a kept rate can only be
 # too high if the file was edited or copied, or the CPU got slower for good, and then it must not sway the
-# choice (issue #23): so the kept rates are checked against a measurement on one thread. A product on one
-# thread waits for no partner and finds its core free between other jobs' time slices, where one on two
-# needs both cores at once (load average 7 on an AMD EPYC's 2 cores: fp32 at the demo's width did 64-74
-# GFLOP/s on one thread, 0.03-0.1 on two). And on T threads a product runs at most T times as fast as on one.
+# choice (issue #23): so the kept rates are checked against a measurement on one thread, counted over the
+# time the thread was on a CPU. One thread waits for no partner, so its CPU time is its work: at a load
+# average of 13 on an AMD EPYC's 2 cores (AVX2), fp32 at the demo's width measured 66 GFLOP/s on one thread
+# by the wall clock, 0.04-1.7 on two, and PyTorch's bf16 fallback 0.2-1.1 on one by the wall clock, 2.3
+# quietly. On T threads a product runs at most T times as fast as on one.
 BUSY_BELOW = 0.5  # fresh rates under this fraction of the kept ones, for every dtype: the machine is busy now
 KEPT_PER_THREAD = 2.0  # a kept rate counts up to 2 x threads x the one-thread rate now (2: it may be busy too)
 
 def one_thread_rates(dtypes, width, time_product=None):
-    """{dtype: GFLOP/s} measured now on one of torch's threads, in turns (torch's thread count is put back)."""
+    """{dtype: GFLOP/s} on one of torch's threads now, over the time it was on a CPU (torch's threads are put back)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return measure_in_turns(dtypes, width, time_product=time_product, longer=LONGER).rates
+        return measure_in_turns(dtypes, width, time_product=time_product).running
     finally:
         torch.set_num_threads(threads)
 

@@ -182,8 +182,8 @@ def test_a_cached_rate_above_the_cpus_does_not_sway_the_decision(cache, monkeypa
 def two_busy_loops(bf16, fp32):
     """ran(i, dtype) of a machine where other jobs hold the cores most of the time, for good: a product on two
     threads gets both cores at once for a share of its time, bf16's `bf16`, fp32's `fp32`; a product on one
-    thread waits for no partner and finds its core free between the other jobs' time slices."""
-    return lambda i, dtype: 1.0 if torch.get_num_threads() == 1 else {BF16: bf16, FP32: fp32}[dtype]
+    thread gets its core for 0.3 of its time, and waits for no partner meanwhile."""
+    return lambda i, dtype: 0.3 if torch.get_num_threads() == 1 else {BF16: bf16, FP32: fp32}[dtype]
 
 
 busy_for_good = two_busy_loops(0.1, 0.4)  # the rates measured now say fp32 is faster where bf16 is 2.3x faster
@@ -227,8 +227,8 @@ def test_a_busy_start_without_kept_rates_measures_longer(cache, monkeypatch, two
 
 def test_a_kept_rate_above_the_cpus_does_not_sway_a_busy_start(cache, monkeypatch, two_threads):
     """Issue #23's rule, on a busy start: an edited file says fp32 does 2000 GFLOP/s where this CPU does 185. A
-    product on one thread, which waits for no partner, measures 92 now: two threads can't do 2000, so the kept
-    rates are not this CPU's, and the decision rests on the rates measured now."""
+    product on one thread, counted over the time it had its core, does 92 now: two threads can't do 2000, so
+    the kept rates are not this CPU's, and the decision rests on the rates measured now."""
     cache.parent.mkdir(parents=True)
     cache.write_text(json.dumps({cpu.rate_key(FP32, 768): 2000.0, cpu.rate_key(BF16, 768): 420.0}))
     fake = on_cpu(monkeypatch, True, BF16_HOST, ran=two_busy_loops(0.25, 0.25), threads=2)
