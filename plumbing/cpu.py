@@ -170,7 +170,7 @@ MEASURE_ROUNDS = 5  # at least this many timed products per dtype, in turns acro
 # up. (Not the spread between trials: jobs that hold the cores steadily slow every trial alike.) A library
 # may run a product on fewer threads than torch has (PyTorch's bf16 fallback uses one), with a low share on
 # a quiet machine too: each dtype's products are judged against their highest share, or one thread's worth.
-UNDISTURBED = 0.75  # a product whose share is at least this fraction of its dtype's highest ran undisturbed
+UNDISTURBED = 0.75  # a product whose share reaches this fraction of its dtype's (just above) ran undisturbed
 LONGER = 1.0  # seconds of products a disturbed measurement may go on for
 
 def rate_key(dtype, width):
