@@ -2,8 +2,10 @@
 This CPU: how many threads a rank runs, what the C library does with freed memory, the vector-math
 warm-up that keeps results independent of thread timing, and what it computes fast: native bf16 or
 not, and its matmul rates, measured and kept as the best ever seen (matmul_rates), from which
-speedups.resolve_dtype picks a run's dtype and each step line takes its share (MatmulRate).
+speedups.resolve_dtype picks a run's dtype (decision_rates: on a busy machine, from a longer measurement
+or the rates kept) and each step line takes its share (MatmulRate).
 """
+import collections
 import ctypes
 import math
 import os
@@ -151,12 +153,25 @@ def describe_cpu(threads):
 # The matmul rate: GFLOP/s of this CPU, on torch's threads now, at the model's matmul shape, (M, width) @
 # (width, 4 width), the MLP's first layer. A shared machine's noise (another job, a package install) only
 # ever slows a measurement, so a rate is a best, not a sample: every start measures afresh (well under a
-# second), and ~/.cache/gpt2-cpu/matmul_rates.json keeps the best ever measured for each key (CPU, ISA,
-# torch, threads, dtype, width), which a later, quieter start can only raise. Once, a first run made
-# during a package install cached 34 GFLOP/s where the CPU does 410, and every later run printed "195% of
-# this CPU's bf16 matmul rate": now the next start corrects it. Delete the file (or one key) to start over.
+# second, up to a second more on a busy machine), and ~/.cache/gpt2-cpu/matmul_rates.json keeps the best
+# ever measured for each key (CPU, ISA, torch, threads, dtype, width), which a later, quieter start can
+# only raise. Once, a first run made during a package install cached 34 GFLOP/s where the CPU does 410, and
+# every later run printed "195% of this CPU's bf16 matmul rate": now the next start corrects it. Delete the
+# file (or one key) to start over.
 
 MEASURE_ROUNDS = 5  # at least this many timed products per dtype, in turns across the dtypes: the best counts
+
+# A busy machine. Another job on these cores takes them from torch's threads for whole scheduler time
+# slices, longer than a product takes, and a product that loses its cores runs at a fraction of this CPU's
+# rate: beside two training jobs, a start measured "bf16 0 GFLOP/s vs fp32 0" on a CPU that does 422 and
+# 204. The process's CPU time says which products that happened to: undisturbed, each thread of a product
+# is on a CPU all along (computing, or spin-waiting for the others), so CPU time = wall time x threads. The
+# whole process's, as OpenMP's waiting thread spins on its CPU while a descheduled partner holds the product
+# up. (Not the spread between trials: jobs that hold the cores steadily slow every trial alike.) A library
+# may run a product on fewer threads than torch has (PyTorch's bf16 fallback uses one), with a low share on
+# a quiet machine too: each dtype's products are judged against their highest share, or one thread's worth.
+UNDISTURBED = 0.75  # a product whose share reaches this fraction of its dtype's (just above) ran undisturbed
+LONGER = 1.0  # seconds of products a disturbed measurement may go on for
 
 def rate_key(dtype, width):
     """The cache's key for a rate: it holds only for this CPU, vector ISA, torch, thread count, dtype and width."""
@@ -164,7 +179,8 @@ def rate_key(dtype, width):
             f"{torch.get_num_threads()}|{dtype}|{width}")
 
 def matmul_timer(width):
-    """time_product(dtype, rows): seconds of one (rows, width) @ (width, 4 width) product on torch's threads.
+    """time_product(dtype, rows) -> (seconds, share): one (rows, width) @ (width, 4 width) product on torch's threads,
+    and the share of those seconds its threads were on a CPU (the process's CPU time / (seconds x threads)).
     The first product of each shape is a warm-up (oneDNN picks and caches its kernel there), untimed.
     Constant inputs: no draw from the random generator, which would change the run."""
     operands = {}  # dtype: (rows, a, b), the latest shape only
@@ -173,37 +189,68 @@ def matmul_timer(width):
             operands[dtype] = rows, torch.full((rows, width), 0.5, dtype=dtype), torch.full((width, 4 * width), 0.5, dtype=dtype)
             operands[dtype][1] @ operands[dtype][2]
         _, a, b = operands[dtype]
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         a @ b
-        return time.perf_counter() - t0
+        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
+        return seconds, cpu_seconds / (seconds * torch.get_num_threads()) if seconds > 0 else 1.0
     return time_product
 
-def measure_matmul_rates(dtypes, width, seconds=0.05, time_product=None):
-    """{dtype: GFLOP/s} measured now, at the model's shape. For each dtype, M grows from 16 rows, 4x at a time
-    up to 1024, while a product of the next size would still take under `seconds` (4 times this one), so
-    one that runs at 1 GFLOP/s costs a fraction of a second to find out about. Then the dtypes take turns
-    (bf16, fp32, bf16, fp32, ...), and each keeps its fastest product: a busy moment slows both alike, where
-    timing one dtype and then the other could slow only one and flip the choice between them. Every dtype
-    gets the same number of turns: MEASURE_ROUNDS, or more while they span under 2 x `seconds` in all (a
-    small model's products take a millisecond, less than a busy moment lasts). time_product (default
-    matmul_timer(width)) times one product."""
-    time_product = time_product or matmul_timer(width)
-    rows, best = {}, {}
+# What measure_in_turns found: rates ({dtype: GFLOP/s}, each dtype's fastest product), busy (some dtype's fastest
+# product lost its cores: the rates are low by an unknown factor), rounds (the turns each dtype got at its size),
+# running ({dtype: GFLOP/s} over the time its threads were on a CPU, at best: exact on one thread, where no
+# thread spins waiting for another)
+Measurement = collections.namedtuple("Measurement", "rates busy rounds running")
+
+def measure_in_turns(dtypes, width, seconds=0.05, time_product=None, longer=0.0):
+    """A Measurement of each dtype at the model's shape. For each dtype, M grows from 16 rows, 4x at a time up to
+    1024, while a product of the next size would still take under `seconds` (4 times this one), so one that runs at
+    1 GFLOP/s costs a fraction of a second to find out about. Then the dtypes take turns (bf16, fp32, bf16, fp32, ...),
+    and each keeps its fastest product: a busy moment slows both alike, where timing one dtype and then the other
+    could slow only one and flip the choice between them. Every dtype gets the same number of turns: MEASURE_ROUNDS,
+    or more while they span under 2 x `seconds` in all (a small model's products take a millisecond, less than a
+    busy moment lasts), or, while some dtype's fastest product lost its cores, until they span `longer`: more
+    turns, more chances to find the cores free. time_product: matmul_timer(width)'s kind."""
+    time_product, threads = time_product or matmul_timer(width), torch.get_num_threads()
+    rows, fastest, top, ran = {}, {}, {}, {}  # at each dtype's size: (seconds, share) of its fastest product,
+    def timed(dtype):                          # its highest share, its least seconds x share
+        took, share = time_product(dtype, rows[dtype])
+        fastest[dtype], top[dtype] = min(fastest.get(dtype, (math.inf, 0.0)), (took, share)), max(top.get(dtype, 0.0), share)
+        ran[dtype] = min(ran.get(dtype, math.inf), took * min(1.0, share))
+        return took
+    def grows(dtype):  # the next size, if the fastest product so far says it would still take under `seconds`
+        if 4 * fastest[dtype][0] > seconds or rows[dtype] >= 1024:
+            return False
+        rows[dtype] *= 4
+        del fastest[dtype], top[dtype], ran[dtype]  # a new size: its own products only
+        return True
     for dtype in dtypes:
         rows[dtype] = 16
-        while 4 * (took := time_product(dtype, rows[dtype])) <= seconds and rows[dtype] < 1024:
-            rows[dtype] *= 4
-        best[dtype] = took
-    # a dtype so slow that 16 rows take over `seconds` (PyTorch's bf16 fallback, ~100x slower) is not timed
-    # again: a second look would cost seconds at GPT-2 XL's width and tell nothing new
-    turns = [dtype for dtype in dtypes if rows[dtype] > 16 or best[dtype] <= seconds]
+        timed(dtype)
+        while grows(dtype):
+            timed(dtype)
+    # a dtype so slow that 16 rows take over `seconds` of CPU time (PyTorch's bf16 fallback, ~100x slower) is not
+    # timed again: a second look would cost seconds at GPT-2 XL's width and tell nothing new. CPU time, as a product
+    # that lost its cores may take 50 ms for 20 microseconds of work: that one is timed again, in turns.
+    turns = [d for d in dtypes if rows[d] > 16 or fastest[d][0] * fastest[d][1] * threads <= seconds]
+    def undisturbed():  # each dtype's share when undisturbed: its highest, but at least one thread's worth, once
+        full = max((top[d] for d in turns), default=1.0) >= UNDISTURBED  # some product had all its threads on a CPU
+        return {d: max(1 / threads, min(1.0, top[d])) if full else 1.0 for d in dtypes}  # (else none did: all)
+    def busy():  # some dtype's fastest product lost its cores for a while
+        return any(fastest[d][1] < UNDISTURBED * undisturbed()[d] for d in turns)
     rounds, spent = 0, 0.0
-    while turns and (rounds < MEASURE_ROUNDS or (spent < 2 * seconds and rounds < 1000)):
+    while turns and rounds < 1000 and (rounds < MEASURE_ROUNDS or spent < 2 * seconds or (spent < longer and busy())):
         for dtype in turns:
-            took = time_product(dtype, rows[dtype])
-            best[dtype], spent = min(best[dtype], took), spent + took
-        rounds += 1
-    return {dtype: 2 * rows[dtype] * width * 4 * width / best[dtype] / 1e9 for dtype in dtypes}
+            spent += timed(dtype)
+        # a size cut short by a product that lost its cores (tiny products' rates are mostly call overhead) grows
+        # once a faster product of it shows the next size fits after all, and the turns at the new size start over
+        rounds = 0 if sum(grows(dtype) for dtype in turns) else rounds + 1
+    flops = {d: 2 * rows[d] * width * 4 * width / 1e9 for d in dtypes}
+    return Measurement({d: flops[d] / fastest[d][0] for d in dtypes}, busy(), rounds,
+                       {d: flops[d] / max(ran[d], 1e-9) for d in dtypes})
+
+def measure_matmul_rates(dtypes, width, seconds=0.05, time_product=None):
+    """{dtype: GFLOP/s} measured now, at the model's shape, in turns (measure_in_turns)."""
+    return measure_in_turns(dtypes, width, seconds, time_product).rates
 
 def measure_matmul_rate(dtype, width, seconds=0.05):
     """One dtype's rate now, from a fresh measurement alone (bench/bench_train.py probes with it after each step)."""
@@ -212,20 +259,62 @@ def measure_matmul_rate(dtype, width, seconds=0.05):
 def is_rate(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
-def matmul_rates(dtypes, width, time_product=None, kept=True):
-    """{dtype: GFLOP/s}: for each dtype the best of a fresh measurement (interleaved, see measure_matmul_rates)
-    and the best ever cached for this machine, which the fresh one raises if it beats it; kept=False: the fresh
-    measurement itself (the dtype decision compares bf16 and fp32 measured in the same moment, like with like,
-    and a cached figure that is too high, which no noise can make but an edited file can, does not sway it).
-    The cache file is read as input: entries that are not positive numbers are dropped; unreadable JSON is replaced."""
-    fresh = measure_matmul_rates(dtypes, width, time_product=time_product)
+def keep_best(fresh, width):
+    """{dtype: GFLOP/s}: the best rates kept for this machine before `fresh` ({dtype: GFLOP/s} measured now; only
+    the dtypes it has a rate for), and the cache raised to `fresh` wherever that beats it. The cache file is read
+    as input: entries that are not positive numbers are dropped; unreadable JSON is replaced."""
     cache_file = cache_dir("matmul_rates.json")
     # read again just before writing, and write at once: another rank's or run's rates written meanwhile are kept
     cache = {k: v for k, v in read_json(cache_file).items() if is_rate(v)}
-    rates = {dtype: max(fresh[dtype], cache.get(rate_key(dtype, width), 0)) for dtype in dtypes}
-    cache.update({rate_key(dtype, width): rate for dtype, rate in rates.items()})
+    kept = {dtype: cache[rate_key(dtype, width)] for dtype in fresh if rate_key(dtype, width) in cache}
+    cache.update({rate_key(dtype, width): max(rate, kept.get(dtype, 0)) for dtype, rate in fresh.items()})
     write_json(cache_file, cache)
-    return rates if kept else fresh
+    return kept
+
+def matmul_rates(dtypes, width, time_product=None):
+    """{dtype: GFLOP/s}: for each dtype the best of a fresh measurement (interleaved, see measure_in_turns) and the
+    best ever kept for this machine, which the fresh one raises if it beats it (the step lines' rate)."""
+    fresh = measure_matmul_rates(dtypes, width, time_product=time_product)
+    kept = keep_best(fresh, width)
+    return {dtype: max(fresh[dtype], kept.get(dtype, 0)) for dtype in dtypes}
+
+# The dtype decision's rates. A quiet start decides from its own measurement in turns, both dtypes from the
+# same moment (like with like). A busy one measures longer first; if its fastest products still lost their
+# cores, and its rates are under half the best ones kept for this machine for every dtype, the kept ones
+# decide: they were measured in quieter moments. But noise cannot raise a rate, so a kept rate can only be
+# too high if the file was edited or copied, or the CPU got slower for good, and then it must not sway the
+# choice (issue #23): so the kept rates are checked against a measurement on one thread, counted over the
+# time the thread was on a CPU. One thread waits for no partner, so its CPU time is its work: at a load
+# average of 13 on an AMD EPYC's 2 cores (AVX2), fp32 at the demo's width measured 66 GFLOP/s on one thread
+# by the wall clock, 0.04-1.7 on two, and PyTorch's bf16 fallback 0.2-1.1 on one by the wall clock, 2.3
+# quietly. On T threads a product runs at most T times as fast as on one.
+BUSY_BELOW = 0.5  # fresh rates under this fraction of the kept ones, for every dtype: the machine is busy now
+KEPT_PER_THREAD = 2.0  # a kept rate counts up to 2 x threads x the one-thread rate now (2: it may be busy too)
+
+def one_thread_rates(dtypes, width, time_product=None):
+    """{dtype: GFLOP/s} on one of torch's threads now, over the time it was on a CPU (torch's threads are put back)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return measure_in_turns(dtypes, width, time_product=time_product).running
+    finally:
+        torch.set_num_threads(threads)
+
+def decision_rates(dtypes, width, time_product=None):
+    """(rates, source, measurement) for speedups.resolve_dtype: {dtype: GFLOP/s}, 'now' or 'earlier' (the best rates
+    kept for this machine, on a busy start, see above), and this start's Measurement. The cache keeps the best."""
+    now = measure_in_turns(dtypes, width, time_product=time_product, longer=LONGER)
+    kept = keep_best(now.rates, width)
+    if now.busy and len(kept) == len(dtypes) and all(now.rates[d] < BUSY_BELOW * kept[d] for d in dtypes):
+        threads, one = torch.get_num_threads(), one_thread_rates(dtypes, width, time_product)
+        if all(kept[d] <= KEPT_PER_THREAD * threads * one[d] for d in dtypes):
+            return kept, "earlier", now
+    return now.rates, "now", now
+
+def rate_text(rate):
+    """A rate as the lines print it: whole GFLOP/s from 10 up, two significant digits below, so that a slow rate
+    (0.4, PyTorch's bf16 fallback on a busy machine) never reads as 0."""
+    return f"{rate:.0f}" if rate >= 10 else f"{rate:.2g}"
 
 def matmul_rate(dtype, width, time_product=None):
     return matmul_rates([dtype], width, time_product)[dtype]
@@ -248,7 +337,7 @@ class MatmulRate:
         if gflops > self.gflops and not self.measured_again:
             old, self.measured_again = self.gflops, True
             self.gflops = matmul_rate(self.dtype, self.width, self.time_product)
-            note = f" (measured again: the step beat the {old:.0f} GFLOP/s on record; now {self.gflops:.0f})"
+            note = f" (measured again: the step beat the {rate_text(old)} GFLOP/s on record; now {rate_text(self.gflops)})"
         return f" | {100 * gflops / self.gflops:.0f}% of this CPU's {self.name} matmul rate{note}"
 
 def flops_per_token(n_params, n_layer, n_embd, seq_len):

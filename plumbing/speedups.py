@@ -17,21 +17,33 @@ from plumbing import cache_dir, cpu
 # PyTorch's fallback for bf16 matmuls runs ~150x slower than fp32 (1 vs 170 GFLOP/s, pytorch#118499).
 # So on a CPU the flags decide (cpu.native_bf16), and the rates measured at the model's shape confirm:
 # one that advertises bf16 but runs it no faster than fp32 gets fp32, also the more precise of the two.
+# On a busy machine (another job on these cores) the rates come from a longer measurement, or from the
+# best ones kept for this machine (cpu.decision_rates), and the line says which.
 
 BF16_MIN_SPEEDUP = 1.25  # bf16's matmul must beat fp32's by this much to pay for autocast's casts
 
+def describe_rates(bf16, fp32, source, measurement):
+    """The dtype line's evidence: the two rates the decision used, and where they come from."""
+    rates = f"bf16 matmul {cpu.rate_text(bf16)} GFLOP/s vs fp32 {cpu.rate_text(fp32)}"
+    if source == "earlier":
+        return f"{rates}, measured earlier (this machine is busy now: decided from the best rates kept for it)"
+    if measurement.busy:
+        return f"{rates}, measured now (this machine is busy: the best of {measurement.rounds} turns each)"
+    return f"{rates}, measured now"
+
 def resolve_dtype(requested, device_type, width, ranks=None):
     """--dtype auto|bf16|fp32 -> ('bf16' or 'fp32', the line that says why): the one place a run's precision
-    is decided. On a CPU: bf16 where it is native and measured faster at the model's width (cpu.matmul_rates:
-    both dtypes now, in turns, so that a busy moment slows both alike); call it once torch's threads are set, as the
-    rates are those of these threads. An explicit bf16 that will run slowly here gets a line starting
-    'warning:'. On a GPU: bf16 where the device supports it. ranks (world.Ranks, for a job of several):
-    every rank calls this, and --dtype auto keeps bf16 only if every rank chose it."""
+    is decided. On a CPU: bf16 where it is native and measured faster at the model's width (cpu.decision_rates:
+    both dtypes now, in turns, so that a busy moment slows both alike, or on a busy machine the best rates kept
+    for it); call it once torch's threads are set, as the rates are those of these threads. An explicit bf16
+    that will run slowly here gets a line starting 'warning:'. On a GPU: bf16 where the device supports it.
+    ranks (world.Ranks, for a job of several): every rank calls this, and --dtype auto keeps bf16 only if every
+    rank chose it."""
     if device_type == "cpu":
-        rates = cpu.matmul_rates((torch.bfloat16, torch.float32), width, kept=False)  # (the cache keeps the best)
+        rates, source, measurement = cpu.decision_rates((torch.bfloat16, torch.float32), width)
         bf16, fp32, native = rates[torch.bfloat16], rates[torch.float32], cpu.native_bf16()
         fast = native and bf16 >= BF16_MIN_SPEEDUP * fp32
-        measured = f"bf16 matmul {bf16:.0f} GFLOP/s vs fp32 {fp32:.0f} here"
+        measured = describe_rates(bf16, fp32, source, measurement)
         if requested == "bf16" and not fast:
             return "bf16", (f"warning: --dtype bf16 on a CPU without fast bf16: {measured}, "
                             f"{fp32 / bf16:.1f}x slower than fp32 would be (--dtype auto picks fp32)")

@@ -1,9 +1,12 @@
 """The dtype follows the CPU: bf16 only where it is native and measured faster, fp32 everywhere else,
 whichever kind of CPU runs these tests, and ranks agree on it; the matmul rate behind that choice is a
 best, not a sample: measured at every start in turns (bf16, fp32, ...), kept as the best ever seen in a
-cache that a bad entry or a corrupt file cannot break, and measured again when a step beats it; the
-FLOPs count behind "N% of this CPU's matmul rate" is GPT-2's; every run says which CPU it ran on.
-The measurement is fed fake product times (a FakeCPU) wherever the host's speed would decide the result."""
+cache that a bad entry or a corrupt file cannot break, and measured again when a step beats it; on a busy
+machine (products that lose their cores, as their CPU time shows) the decision measures longer, or takes
+the rates kept when a one-thread measurement says they are this CPU's, and its line names its source and
+never prints 0; the FLOPs count behind "N% of this CPU's matmul rate" is GPT-2's; every run says which CPU
+it ran on. The measurement is fed fake product times and CPU shares (a FakeCPU) wherever the host's speed
+or load would decide the result."""
 import json
 import os
 import random
@@ -30,16 +33,32 @@ NOT_FASTER = {BF16: 200.0, FP32: 185.0}  # advertises bf16, runs it barely faste
 
 
 class FakeCPU:
-    """A CPU whose (rows, width) @ (width, 4 width) products run at the given GFLOP/s, each slowed by
-    slowdown(i) for the i-th product: measure_matmul_rates' time_product, without a clock."""
+    """A CPU whose (rows, width) @ (width, 4 width) products run at the given GFLOP/s (with `threads` given: on
+    that many of torch's threads, proportionally less on fewer), each slowed by slowdown(i) for the i-th product, and whose threads
+    were on a CPU for ran(i, dtype) of the i-th product's time (another job held the cores for the rest, so it
+    took 1 / ran as long): measure_in_turns' time_product, without a clock. uses: {dtype: the share of torch's
+    threads its products use} (PyTorch's bf16 fallback uses one)."""
 
-    def __init__(self, width, gflops, slowdown=lambda i: 1.0):
-        self.width, self.gflops, self.slowdown, self.calls = width, dict(gflops), slowdown, []
+    def __init__(self, width, gflops, slowdown=lambda i: 1.0, ran=lambda i, dtype: 1.0, uses=None, threads=None):
+        self.width, self.gflops, self.slowdown, self.ran, self.uses = width, dict(gflops), slowdown, ran, uses or {}
+        self.threads, self.calls, self.seconds = threads, [], 0.0
 
     def time_product(self, dtype, rows):
         self.calls.append((dtype, rows))
-        flops = 2 * rows * self.width * 4 * self.width
-        return flops / (self.gflops[dtype] * 1e9) * self.slowdown(len(self.calls) - 1)
+        i, flops = len(self.calls) - 1, 2 * rows * self.width * 4 * self.width
+        ran, threads = self.ran(i, dtype), self.threads or torch.get_num_threads()
+        seconds = flops / (self.gflops[dtype] * min(1.0, torch.get_num_threads() / threads) * 1e9) * self.slowdown(i) / ran
+        self.seconds += seconds
+        return seconds, ran * self.uses.get(dtype, 1.0)
+
+
+@pytest.fixture
+def two_threads():
+    """torch on 2 threads, as on the hosts whose rates these tests use, whatever the test before left."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture
@@ -49,9 +68,10 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "cache" / "gpt2-cpu" / "matmul_rates.json"
 
 
-def on_cpu(monkeypatch, native, gflops, width=768):
-    """From here on this host's CPU is a FakeCPU with these rates, native bf16 or not; returns it."""
-    fake = FakeCPU(width, gflops)
+def on_cpu(monkeypatch, native, gflops, width=768, **kwargs):
+    """From here on this host's CPU is a FakeCPU with these rates (and FakeCPU's other arguments), native bf16
+    or not; returns it."""
+    fake = FakeCPU(width, gflops, **kwargs)
     monkeypatch.setattr(cpu, "native_bf16", lambda: native)
     monkeypatch.setattr(cpu, "matmul_timer", lambda width: fake.time_product)
     return fake
@@ -60,11 +80,11 @@ def on_cpu(monkeypatch, native, gflops, width=768):
 def test_auto_picks_bf16_only_where_native_and_faster(cache, monkeypatch):
     on_cpu(monkeypatch, True, BF16_HOST)
     dtype, line = speedups.resolve_dtype("auto", "cpu", 768)
-    assert dtype == "bf16" and line.startswith("dtype: bf16 (") and "bf16 matmul 420 GFLOP/s vs fp32 185 here" in line
+    assert dtype == "bf16" and line.startswith("dtype: bf16 (") and "bf16 matmul 420 GFLOP/s vs fp32 185, measured now;" in line
     on_cpu(monkeypatch, False, AVX2_HOST, width=64)
     dtype, line = speedups.resolve_dtype("auto", "cpu", 64)
     assert dtype == "fp32" and line.startswith("dtype: fp32 (") and "no native bf16" in line
-    assert "bf16 matmul 1 GFLOP/s vs fp32 170 here" in line and "--dtype bf16 forces it" in line
+    assert "bf16 matmul 1 GFLOP/s vs fp32 170, measured now;" in line and "--dtype bf16 forces it" in line
     # a CPU that advertises bf16 but does not run it faster than fp32 (the check measures, not trusts)
     on_cpu(monkeypatch, True, NOT_FASTER, width=128)
     dtype, line = speedups.resolve_dtype("auto", "cpu", 128)
@@ -139,7 +159,7 @@ def test_a_poisoned_rate_is_corrected_by_the_next_start(cache, monkeypatch):
     cache.write_text(json.dumps({cpu.rate_key(FP32, 128): 10.0, cpu.rate_key(BF16, 128): 34.0}))
     on_cpu(monkeypatch, True, {FP32: 150.0, BF16: 410.0}, width=128)
     dtype, line = speedups.resolve_dtype("auto", "cpu", 128)
-    assert "bf16 matmul 410 GFLOP/s vs fp32 150 here" in line
+    assert "bf16 matmul 410 GFLOP/s vs fp32 150, measured now;" in line
     assert read_json(cache) == pytest.approx({cpu.rate_key(FP32, 128): 150.0, cpu.rate_key(BF16, 128): 410.0})
     # a later start in a busy moment measures less, and the best stays
     busy = on_cpu(monkeypatch, True, {FP32: 40.0, BF16: 90.0}, width=128)
@@ -155,8 +175,120 @@ def test_a_cached_rate_above_the_cpus_does_not_sway_the_decision(cache, monkeypa
     cache.write_text(json.dumps({cpu.rate_key(FP32, 128): 10.0, cpu.rate_key(BF16, 128): 34.0}))
     on_cpu(monkeypatch, False, {FP32: 150.0, BF16: 1.0}, width=128)
     dtype, line = speedups.resolve_dtype("auto", "cpu", 128)
-    assert dtype == "fp32" and "bf16 matmul 1 GFLOP/s vs fp32 150 here" in line
+    assert dtype == "fp32" and "bf16 matmul 1 GFLOP/s vs fp32 150, measured now;" in line
     assert cpu.MatmulRate("fp32", 128).gflops == pytest.approx(150.0)
+
+
+def two_busy_loops(bf16, fp32):
+    """ran(i, dtype) of a machine where other jobs hold the cores most of the time, for good: a product on two
+    threads gets both cores at once for a share of its time, bf16's `bf16`, fp32's `fp32`; a product on one
+    thread gets its core for 0.3 of its time, and waits for no partner meanwhile."""
+    return lambda i, dtype: 0.3 if torch.get_num_threads() == 1 else {BF16: bf16, FP32: fp32}[dtype]
+
+
+busy_for_good = two_busy_loops(0.1, 0.4)  # the rates measured now say fp32 is faster where bf16 is 2.3x faster
+
+
+@pytest.mark.parametrize("native, gflops, expected", [(True, BF16_HOST, "bf16"), (False, AVX2_HOST, "fp32")])
+def test_a_busy_start_with_kept_rates_decides_as_a_quiet_one(cache, monkeypatch, two_threads, native, gflops, expected):
+    """The issue's case: a CPU with native bf16 measured 'bf16 0 GFLOP/s vs fp32 0' beside two training jobs,
+    and chose fp32. A quiet start keeps its rates; a busy one, whose products lose their cores, decides from them."""
+    on_cpu(monkeypatch, native, gflops, width=128)
+    quiet = speedups.resolve_dtype("auto", "cpu", 128)
+    assert quiet[0] == expected
+    busy = on_cpu(monkeypatch, native, gflops, width=128, ran=busy_for_good, threads=2)
+    dtype, line = speedups.resolve_dtype("auto", "cpu", 128)
+    assert dtype == expected, line
+    rates = f"bf16 matmul {gflops[BF16]:.0f} GFLOP/s vs fp32 {gflops[FP32]:.0f}"  # the kept ones, as measured quietly
+    assert f"{rates}, measured earlier (this machine is busy now: decided from the best rates kept for it)" in line
+    # it measured longer first (in turns, for up to cpu.LONGER seconds), and kept the better rates on record
+    assert busy.seconds >= cpu.LONGER
+    assert read_json(cache) == pytest.approx({cpu.rate_key(d, 128): r for d, r in gflops.items()})
+
+
+def test_a_busy_start_without_kept_rates_measures_longer(cache, monkeypatch, two_threads):
+    """No rates kept yet (a first start), and another job holds the cores for the first 60 products, then lets
+    them go now and then: the usual measurement (0.1 s of products, 48 here) says fp32; measuring on until each
+    dtype's fastest product had its cores finds bf16's lead."""
+    def ran(i, dtype):
+        return 1.0 if i >= 60 and i % 10 < 3 else busy_for_good(i, dtype)
+    fake = on_cpu(monkeypatch, True, BF16_HOST, width=128, ran=ran)
+    dtype, line = speedups.resolve_dtype("auto", "cpu", 128)
+    assert dtype == "bf16" and "bf16 matmul 420 GFLOP/s vs fp32 185, measured now;" in line
+    assert 60 < len(fake.calls) <= 64  # it stopped once both dtypes' fastest products ran undisturbed
+    # a machine busy for good: the measurement stops after cpu.LONGER seconds of products, and says so
+    fake = on_cpu(monkeypatch, True, BF16_HOST, width=128, ran=two_busy_loops(0.25, 0.25))
+    cache.unlink()
+    dtype, line = speedups.resolve_dtype("auto", "cpu", 128)
+    rounds = fake.calls.count((FP32, 1024)) - 1  # (one was its size's first)
+    assert dtype == "bf16" and cpu.LONGER <= fake.seconds <= cpu.LONGER + 0.1
+    assert f"bf16 matmul 105 GFLOP/s vs fp32 46, measured now (this machine is busy: the best of {rounds} turns each);" in line
+
+
+def test_a_kept_rate_above_the_cpus_does_not_sway_a_busy_start(cache, monkeypatch, two_threads):
+    """Issue #23's rule, on a busy start: an edited file says fp32 does 2000 GFLOP/s where this CPU does 185. A
+    product on one thread, counted over the time it had its core, does 92 now: two threads can't do 2000, so
+    the kept rates are not this CPU's, and the decision rests on the rates measured now."""
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps({cpu.rate_key(FP32, 768): 2000.0, cpu.rate_key(BF16, 768): 420.0}))
+    fake = on_cpu(monkeypatch, True, BF16_HOST, ran=two_busy_loops(0.25, 0.25), threads=2)
+    dtype, line = speedups.resolve_dtype("auto", "cpu", 768)
+    assert dtype == "bf16" and "bf16 matmul 105 GFLOP/s vs fp32 46, measured now (this machine is busy" in line
+    assert fake.calls[-1] == (FP32, 256) and torch.get_num_threads() == 2  # (measured on one thread last, and put back)
+    assert read_json(cache)[cpu.rate_key(FP32, 768)] == 2000.0  # (kept: only a reset removes a rate too high)
+    # the genuine rates, kept by a quiet start, pass the same check
+    cache.write_text(json.dumps({cpu.rate_key(FP32, 768): 185.0, cpu.rate_key(BF16, 768): 420.0}))
+    assert "measured earlier" in speedups.resolve_dtype("auto", "cpu", 768)[1]
+
+
+def test_the_line_never_prints_a_rate_of_0(cache, monkeypatch):
+    # a busy machine's fallback: a few tenths of a GFLOP/s, or less; each printed as measured, with its source
+    on_cpu(monkeypatch, False, {BF16: 0.4, FP32: 0.0042}, width=64)
+    for requested in ("auto", "bf16", "fp32"):
+        dtype, line = speedups.resolve_dtype(requested, "cpu", 64)
+        assert "bf16 matmul 0.4 GFLOP/s vs fp32 0.0042, measured now" in line, line
+        assert not re.search(r"(?<![.\d])0 GFLOP/s|fp32 0(?![.\d])", line)
+    assert cpu.rate_text(0.4) == "0.4" and cpu.rate_text(9.96) == "10" and cpu.rate_text(184.6) == "185"
+
+
+def test_a_product_the_library_runs_on_fewer_threads_is_not_taken_for_a_busy_machine(cache, monkeypatch, two_threads):
+    # PyTorch's bf16 fallback runs on one of torch's two threads: half the CPU time of a product that uses both,
+    # on a quiet machine too. Judged against its own products' highest share, it was not descheduled.
+    fake = on_cpu(monkeypatch, False, {BF16: 1.0, FP32: 170.0}, width=128, uses={BF16: 0.5})
+    measured = cpu.measure_in_turns((BF16, FP32), 128, time_product=fake.time_product, longer=cpu.LONGER)
+    assert not measured.busy and measured.rounds < 20 and fake.seconds < 0.5
+    assert measured.rates == pytest.approx({BF16: 1.0, FP32: 170.0})
+    # but a dtype whose every product had less than one thread's worth of CPU time lost its cores each time
+    # (a longer product is more often descheduled), even where the other dtype's products had theirs
+    fake = on_cpu(monkeypatch, True, BF16_HOST, width=128, ran=lambda i, dtype: 0.2 if dtype == BF16 else 1.0)
+    measured = cpu.measure_in_turns((BF16, FP32), 128, time_product=fake.time_product, longer=cpu.LONGER)
+    assert measured.busy and fake.seconds >= cpu.LONGER
+
+
+def test_a_size_cut_short_by_a_product_that_lost_its_cores_grows_back(cache, monkeypatch, two_threads):
+    # bf16's 64-row product lost its cores for 20 ms, as if 64 rows were too many to grow from: measured at 64
+    # rows (a product of 20 microseconds, mostly call overhead on a real CPU), bf16's rate would be too low.
+    # The first undisturbed 64-row product shows the next size fits, and the measurement goes on from there.
+    fake = on_cpu(monkeypatch, True, BF16_HOST, width=128, ran=lambda i, dtype: 0.001 if i == 1 else 1.0)
+    assert speedups.resolve_dtype("auto", "cpu", 128)[0] == "bf16"
+    assert fake.calls[:2] == [(BF16, 16), (BF16, 64)] and fake.calls[2][0] == FP32  # cut short at 64 rows
+    assert fake.calls[-2:] == [(BF16, 1024), (FP32, 1024)]  # grown back to the size a quiet start measures
+    assert fake.calls.count((BF16, 1024)) >= cpu.MEASURE_ROUNDS
+    # at GPT-2's width, bf16's first product (16 rows, 0.2 ms of work) lost its cores for 90 ms: timed once and
+    # left out of the turns, like PyTorch's slow fallback, it would say bf16 runs at 0.8 GFLOP/s; its CPU time
+    # (0.4 ms) says otherwise, so it takes its turns
+    fake = on_cpu(monkeypatch, True, BF16_HOST, ran=lambda i, dtype: 0.002 if i == 0 else 1.0)
+    dtype, line = speedups.resolve_dtype("auto", "cpu", 768)
+    assert dtype == "bf16" and "bf16 matmul 420 GFLOP/s vs fp32 185, measured now;" in line
+
+
+def test_the_timer_reads_the_share_of_the_product_its_threads_ran(monkeypatch, one_thread):
+    # a product that took 4 ms of wall time while the process ran for 1 ms: its thread was off the CPU 3/4 of it
+    clock = iter([10.0, 10.004])
+    cpu_clock = iter([5.0, 5.001])
+    monkeypatch.setattr(cpu, "time", SimpleNamespace(perf_counter=lambda: next(clock), process_time=lambda: next(cpu_clock)))
+    seconds, share = cpu.matmul_timer(32)(FP32, 16)
+    assert seconds == pytest.approx(0.004) and share == pytest.approx(0.25)
 
 
 @pytest.mark.parametrize("contents", [b'{"', b"", b"[1, 2]", b"null", b'"rates"', b"\xff\xfe{}"])
