@@ -5,12 +5,12 @@ GPT-2 and its trainer, in one file, for CPUs first (and GPUs too).
     torchrun --nproc_per_node=2 train_gpt2.py         # data parallel on one machine (--shard full: FSDP2)
     mpirun -n 3 -ppn 1 python train_gpt2.py           # data parallel on three nodes (see README)
 
-Read it top to bottom: the model, the learning rate schedule, checkpoints, the stages of a run, then main(),
-the training story. What it reads is in dataloader.py (the shards fineweb.py writes, cut into blocks; the task
-folders finetune.py writes, packed into rows); how the processes live on the machine (launchers, threads, Intel's
-libraries, memory, signals, safe files) is in plumbing/. sample.py and answer.py generate with the model.
+Read it top to bottom: the model, the learning rate schedule, loading a trained model, the stages of a run, then
+main(), the training story. Its flags and their defaults are in train_args.py; what it reads is in dataloader.py (the
+shards fineweb.py writes, cut into blocks; the task folders finetune.py writes, packed into rows); how the processes
+live on the machine (launchers, threads, Intel's libraries, memory, signals, safe files) is in plumbing/. sample.py
+and answer.py generate with the model.
 """
-import argparse
 import json
 import math
 import os
@@ -24,13 +24,12 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from plumbing import cache_dir, checkpoints, cpu, inputs, sharding, speedups, world
+from plumbing import checkpoints, cpu, inputs, sharding, speedups, world
 from plumbing.checkpoints import append_log, checkpoint_path, list_checkpoints, load_checkpoint
 from plumbing.fused_loss import IGNORE, lm_head_loss
-from plumbing.inputs import find_shards
 import dataloader
-from dataloader import TaskLoader
 from tokenizer import VOCAB_SIZE
+from train_args import check_args, resolve_args
 
 # -----------------------------------------------------------------------------
 # The model: GPT-2 exactly (pre-LayerNorm transformer, tanh GELU, learned positions, tied lm_head)
@@ -304,69 +303,6 @@ def load_model(name_or_path, build=None):
     task = dataloader.read_task(name_or_path) if os.path.isdir(name_or_path) else None
     return GPT.from_pretrained(name_or_path, build), task
 
-# -----------------------------------------------------------------------------
-# Command line
-
-def build_parser(defaults=True):
-    p = argparse.ArgumentParser(description="Train or fine-tune GPT-2 on CPUs (and GPUs).",
-                                argument_default=None if defaults else argparse.SUPPRESS)
-    d = (lambda v: v) if defaults else (lambda v: argparse.SUPPRESS)
-    a = p.add_argument
-    a("--data_dir", default=d("edu_fineweb10B"), help="folder of uint16 .npy shards named *train* / *val*")
-    a("--log_dir", default=d("log"), help="checkpoints and log.txt go here")
-    a("--init_from", default=d("scratch"), help="scratch | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | "
-      "a Hugging Face-layout directory | one of our checkpoints (.pt)")
-    a("--n_layer", type=int, default=d(12))
-    a("--n_head", type=int, default=d(12))
-    a("--n_embd", type=int, default=d(768))
-    a("--block_size", type=int, default=d(1024), help="context length of a scratch model")
-    a("--batch_size", type=int, default=d(8), help="sequences per micro-step and rank")
-    a("--seq_len", type=int, default=d(1024), help="tokens per training sequence (<= block_size)")
-    a("--total_batch_size", type=int, default=d(524288), help="tokens per optimizer step (2**19, ~0.5M)")
-    a("--max_steps", type=int, default=d(19073), help="10B tokens / 2**19 tokens per step")
-    a("--warmup_steps", type=int, default=d(715))
-    a("--max_lr", type=float, default=d(6e-4))
-    a("--min_lr", type=float, default=d(6e-5))
-    a("--weight_decay", type=float, default=d(0.1))
-    a("--grad_clip", type=float, default=d(1.0))
-    a("--eval_interval", type=int, default=d(250))
-    a("--val_tokens", type=int, default=d(10485760), help="val loss is measured on this many tokens")
-    a("--hellaswag_interval", type=int, default=d(250), help="0 = off")
-    a("--hellaswag_dir", default=d(None), help="HellaSwag cache folder (default: hellaswag.py's)")
-    a("--sample_interval", type=int, default=d(250), help="0 = off")
-    a("--checkpoint_interval", type=int, default=d(250), help="0 = never save a checkpoint")
-    a("--keep_checkpoints", type=int, default=d(5), help="keep the newest N checkpoints (0 = all)")
-    a("--resume", nargs="?", const="latest", default=d(None),
-      help="continue from the newest checkpoint in --log_dir, or from the given file")
-    a("--overwrite", action="store_true", default=d(False), help="start afresh in a --log_dir that holds a run")
-    a("--dtype", choices=["auto", "bf16", "fp32"], default=d("auto"), help="precision of the forward pass; auto = bf16 "
-      "where it is fast (a CPU with AVX512-BF16 or AMX, measured; a GPU that has it), else fp32")
-    a("--compile", action=argparse.BooleanOptionalAction, default=d(True),
-      help="torch.compile the training step (--no-compile: run it eagerly)")
-    a("--device", default=d("auto"), help="auto | cpu | cuda | cuda:N | xpu")
-    a("--backend", choices=["auto", "ccl", "gloo", "nccl", "xccl"], default=d("auto"),
-      help="process group backend; auto = ccl if oneccl_bindings_for_pytorch imports, else gloo (CPU), nccl, xccl")
-    a("--ipex", choices=["auto", "on", "off"], default=d("auto"),
-      help="Intel Extension for PyTorch's ipex.optimize on CPU/XPU; auto = when installed")
-    a("--shard", choices=["none", "full"], default=d("none"), help="none: every rank holds the whole training state "
-      "(DDP); full: weights, gradients and AdamW state split across the ranks (FSDP2), for models too big for one")
-    a("--dist_timeout", type=float, default=d(300), help="seconds a collective may wait for the other ranks")
-    a("--threads", type=int, default=d(0), help="torch threads per rank (0 = physical cores / ranks per node)")
-    a("--epochs", type=int, default=d(None), help="task data (a finetune.py folder): passes over the training "
-      "examples (sets --max_steps; default 3)")
-    a("--task_examples", type=int, default=d(200), help="task data: val examples whose answers are scored at each eval")
-    a("--seed", type=int, default=d(1337))
-    a("--demo", action="store_true", default=d(False), help="train a small GPT on a local demo corpus")
-    return p
-
-# The demo: a small GPT on the Python standard library's own source, which every machine with Python has.
-# 128 wide for a CPU without native bf16 (fp32): its lm_head (50304 x 128) is most of its FLOPs. Eager: a cold
-# torch.compile costs more than it saves in 60 steps. Measured end to end, and why: docs/training.md.
-DEMO_ARGS = dict(n_layer=4, n_head=4, n_embd=128, block_size=256, seq_len=256, batch_size=8,
-                 total_batch_size=2048, max_steps=60, warmup_steps=10, max_lr=3e-3, min_lr=3e-4,
-                 eval_interval=30, val_tokens=32768, sample_interval=60, hellaswag_interval=0,
-                 checkpoint_interval=60, log_dir="log_demo", compile=False)
-
 def print_next_steps(args, ranks):
     """The demo's last words: where its results went, and what to try next."""
     ckpt = (list_checkpoints(args.log_dir) or ["(none: --checkpoint_interval 0)"])[-1]
@@ -410,99 +346,6 @@ class Run:
             self.flops_per_token = cpu.flops_per_token(n_params, config.n_layer, config.n_embd, self.args.seq_len)
             self.matmul_rate = cpu.MatmulRate(self.dtype, config.n_embd)
         return self.matmul_rate.share(self.args.total_batch_size / self.ranks.world_size / dt * self.flops_per_token / 1e9)
-
-# Fine-tuning (--data_dir a folder from finetune.py): its defaults, where the flag is not given (docs/finetuning.md):
-# rows as long as the longest example and about EXAMPLES_PER_STEP examples a step, so that an epoch is many steps;
-# a learning rate 10x lower for a pretrained model than for one from scratch; 5% of the steps warming up, then
-# cosine decay to a tenth; no HellaSwag or samples, but the task's own accuracy at each eval. Measured against a
-# transformers loop on held-out synthetic tasks (bench/compare_hf_finetune.py): 16 examples a step, or 1e-3, lost.
-EXAMPLES_PER_STEP = 8
-FINETUNE_ARGS = dict(epochs=3, hellaswag_interval=0, sample_interval=0, task_examples=200)
-FINETUNE_LR = {"scratch": 5e-4, "pretrained": 5e-5}
-
-def finetuning_defaults(args, given, task, world_size):
-    """Fill in the fine-tuning defaults for the flags not given; --epochs sets --max_steps. Returns the line to print."""
-    if task["splits"]["train"]["examples"] == 0:
-        raise SystemExit(f"error: --data_dir {args.data_dir} holds no training examples")
-    vars(args).update({k: v for k, v in FINETUNE_ARGS.items() if k not in given})
-    train, longest = task["splits"]["train"], max(split["longest"] for split in task["splits"].values())
-    if "seq_len" not in given:  # rows as long as the longest example (val's too), rounded up to 64
-        args.seq_len = min(-(-longest // 64) * 64, args.block_size, 1024)
-    if "batch_size" not in given:  # rows per micro-step and rank
-        per_row = args.seq_len / (train["tokens"] / train["examples"] - 1)
-        args.batch_size = max(1, round(EXAMPLES_PER_STEP / per_row / world_size))
-    if "total_batch_size" not in given:
-        args.total_batch_size = args.batch_size * args.seq_len * world_size
-    if "max_lr" not in given:
-        args.max_lr = FINETUNE_LR["scratch" if args.init_from == "scratch" else "pretrained"]
-    args.min_lr = args.min_lr if "min_lr" in given else args.max_lr / 10
-    if "max_steps" not in given:
-        rows = TaskLoader(args.data_dir, "train", 1, args.seq_len, seed=args.seed).rows_in_epochs(args.epochs)
-        args.max_steps = max(1, -(-rows * args.seq_len // args.total_batch_size))
-    args.warmup_steps = args.warmup_steps if "warmup_steps" in given else max(1, args.max_steps // 20)
-    for flag in ("eval_interval", "checkpoint_interval"):
-        if flag not in given:
-            setattr(args, flag, max(1, args.max_steps // 10))
-    return (f"fine-tuning: {train['examples']} examples x {args.epochs} epochs = {args.max_steps} steps "
-            f"of {args.total_batch_size // args.seq_len} rows of {args.seq_len}; lr {args.max_lr:g} -> {args.min_lr:g}, "
-            f"warmup {args.warmup_steps}, eval every {args.eval_interval} (flags override these)")
-
-def resolve_args(argv, ranks):
-    """The run's arguments: the command line, or, with --resume, the checkpoint's run arguments overridden by the
-    flags given now; the demo's settings when there is no data; fine-tuning's for task data. Returns (args, the task
-    or None, checkpoint, its path)."""
-    args = build_parser().parse_args(argv)
-    given = vars(build_parser(defaults=False).parse_args(argv))  # only the flags on the command line
-    ckpt, ckpt_file, saved_args = None, None, None
-    if args.resume:
-        ckpt_file = args.resume if args.resume != "latest" else (list_checkpoints(args.log_dir) or [None])[-1]
-        if ckpt_file is None:  # killed before its first checkpoint: a scheduler's requeue starts it again
-            ranks.print0(f"--resume: no checkpoint in --log_dir {args.log_dir} yet: starting the run from step 0")
-        elif not os.path.exists(ckpt_file):
-            raise SystemExit(f"error: --resume: checkpoint {ckpt_file} not found")
-        else:
-            ckpt = load_checkpoint(ckpt_file)  # every rank loads the same file
-            saved_args = ckpt["args"]
-    if saved_args is None and args.resume and os.path.exists(os.path.join(args.log_dir, "args.json")):
-        with open(os.path.join(args.log_dir, "args.json")) as f:
-            saved_args = json.load(f)  # the arguments the run in --log_dir started with
-    if saved_args is not None:
-        saved = {**vars(args), **saved_args}  # a flag newer than the checkpoint keeps its default
-        saved.update({k: v for k, v in given.items() if k in saved})
-        saved.update(resume=args.resume, overwrite=False, log_dir=given.get("log_dir", saved["log_dir"]))
-        args = argparse.Namespace(**saved)
-    if not args.resume and (args.demo or (not find_shards(args.data_dir, "train") and "data_dir" not in given)):
-        if not args.demo:
-            ranks.print0(f"no shards in {args.data_dir}/ (run fineweb.py to make them): running the demo instead")
-        vars(args).update({k: v for k, v in DEMO_ARGS.items() if k not in given})
-        args.demo, args.data_dir = True, cache_dir("demo")
-    task = dataloader.read_task(args.data_dir)  # a finetune.py folder, or None: pretraining shards
-    if task is not None and saved_args is None:
-        ranks.print0(finetuning_defaults(args, given, task, ranks.world_size))
-    if task is None and args.epochs is not None:
-        raise SystemExit(f"error: --epochs is for task data (a finetune.py folder); {args.data_dir} holds pretraining "
-                         "shards: use --max_steps")
-    return args, task, ckpt, ckpt_file
-
-def check_args(args, world_size):
-    """Every flag that can be checked alone, before anything expensive."""
-    if not os.path.isdir(args.data_dir) and not args.demo:
-        raise SystemExit(f"error: --data_dir {args.data_dir} does not exist (make shards with fineweb.py)")
-    if args.seq_len > args.block_size and args.init_from == "scratch":
-        raise SystemExit(f"error: --seq_len {args.seq_len} is longer than --block_size {args.block_size}")
-    tokens_per_micro = args.batch_size * args.seq_len * world_size
-    if args.total_batch_size % tokens_per_micro:
-        raise SystemExit(f"error: --total_batch_size {args.total_batch_size} is not divisible by --batch_size "
-                         f"{args.batch_size} x --seq_len {args.seq_len} x world size {world_size} = {tokens_per_micro}")
-    for flag in ("batch_size", "seq_len", "max_steps", "n_layer", "n_head", "n_embd"):
-        if getattr(args, flag) <= 0:
-            raise SystemExit(f"error: --{flag} must be positive")
-    if args.n_embd % args.n_head:
-        raise SystemExit(f"error: --n_embd {args.n_embd} is not divisible by --n_head {args.n_head}")
-    if args.threads < 0:
-        raise SystemExit(f"error: --threads {args.threads} must be 0 (automatic) or positive")
-    if not args.dist_timeout > 0:
-        raise SystemExit(f"error: --dist_timeout {args.dist_timeout} must be a positive number of seconds")
 
 def open_data_and_lock_log_dir(run):
     """The training data's loader and the val data, checked; HellaSwag's examples if they are to be measured; then

@@ -57,6 +57,7 @@ from plumbing import cpu, fused_loss, speedups, world
 from plumbing.fused_loss import IGNORE
 from tasks import Example
 from tokenizer import EOT
+import train_args
 import train_gpt2
 from train_gpt2 import GPTConfig
 
@@ -150,7 +151,7 @@ def our_step(cfg, args, B):
                        n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     raw_model = common.random_model(config, cfg.get("threads") or cpu.physical_cores())
     dtype_name, dtype_line = speedups.resolve_dtype(cfg.get("dtype", args.dtype), "cpu", args.n_embd)
-    run_args = train_gpt2.build_parser().parse_args(["--batch_size", str(B), "--seq_len", str(T),
+    run_args = train_args.build_parser().parse_args(["--batch_size", str(B), "--seq_len", str(T),
                                                      "--total_batch_size", str(B * T * accum), "--dtype", dtype_name])
     run = train_gpt2.Run(run_args, world.Ranks(0, 1, 0, 1, "single"), task=None)
     run.raw_model, run.device_type, run.dtype = raw_model, "cpu", dtype_name

@@ -26,7 +26,8 @@ import common  # before hellaswag, tokenizer and train_gpt2: it puts the reposit
 import hellaswag
 import tokenizer
 from plumbing import cpu, speedups
-from train_gpt2 import DEMO_ARGS, PADDED_VOCAB_SIZE, GPTConfig
+from train_args import DEMO_ARGS
+from train_gpt2 import PADDED_VOCAB_SIZE, GPTConfig
 
 
 def synthetic_rounds(rounds, size, n_total=10042, seed=0):

@@ -8,7 +8,7 @@ right answers.
 
 ours  the commands a user runs: `finetune.py --input train.jsonl --val_input val.jsonl --output_dir D`, then
       `train_gpt2.py --data_dir D --epochs N --n_layer .. --n_head .. --n_embd .. --block_size .. --no-compile`
-      with every fine-tuning default (train_gpt2.finetuning_defaults: rows, examples a step, learning rate, warmup,
+      with every fine-tuning default (train_args.finetuning_defaults: rows, examples a step, learning rate, warmup,
       decay; train_gpt2.py prints them on its 'fine-tuning:' line). The bench adds only flags that change no
       weight: --dtype and --threads (the same for both sides), --task_examples (every val example is scored),
       --eval_interval (evaluations at the start and the end only: they cost time, not results) and
@@ -30,7 +30,7 @@ Both run at the same time, each on --threads torch threads (1 by default: two pr
 its two evaluations included; hf: training and its evaluation), and their training steps alone, on this CPU
 at this moment; the quality figures are what this bench is for.
 
-To try another default: --set NAME=VALUE runs train_gpt2.py with that constant of train_gpt2.py changed, as if
+To try another default: --set NAME=VALUE runs train_gpt2.py with that constant of train_args.py changed, as if
 edited (the fine-tuning defaults are EXAMPLES_PER_STEP, FINETUNE_LR, FINETUNE_ARGS: --set EXAMPLES_PER_STEP=16), and
 --our_flags adds flags (--our_flags '--max_lr 1e-3'); --only ours skips the HF loop, whose result does not depend on them.
 """
@@ -119,11 +119,11 @@ def start_ours(args, work, block_size):
                     task_dir] + (["--answer_regex", args.answer_regex] if args.answer_regex else []),
                    cwd=REPO, check=True, stdout=subprocess.DEVNULL, preexec_fn=common.die_with_parent())
     n_val = read_task(task_dir)["splits"]["val"]["examples"]
-    # --set: train_gpt2.py with one of its constants (the fine-tuning defaults among them) changed, as if edited: a
+    # --set: train_gpt2.py with one of train_args.py's constants (the fine-tuning defaults) changed, as if edited: a
     # default under test. finetuning_defaults reads them when the run starts, after these lines have set them.
-    launch = ["train_gpt2.py"] if not args.set else ["-c", "import ast, train_gpt2\n"
+    launch = ["train_gpt2.py"] if not args.set else ["-c", "import ast, train_args, train_gpt2\n"
               f"for name, value in {[s.split('=', 1) for s in args.set]!r}:\n"
-              "    setattr(train_gpt2, name, ast.literal_eval(value))\n"
+              "    setattr(train_args, name, ast.literal_eval(value))\n"
               "train_gpt2.world.run_main(train_gpt2.main)"]
     command = [sys.executable] + launch + ["--data_dir", task_dir, "--log_dir", log_dir, "--epochs", str(args.epochs),
                "--n_layer", str(args.n_layer), "--n_head", str(args.n_head), "--n_embd", str(args.n_embd),
@@ -299,7 +299,7 @@ def parse_args(argv=None):
     a("--hf_dropout", type=float, default=0.1, help="GPT2Config's default")
     a("--our_flags", default="", help="more flags for train_gpt2.py, to try other settings (e.g. '--max_lr 5e-4')")
     a("--set", action="append", default=[], metavar="NAME=VALUE",
-      help="run train_gpt2.py with its constant NAME set to VALUE (a Python literal), e.g. EXAMPLES_PER_STEP=8 "
+      help="run train_gpt2.py with train_args.py's constant NAME set to VALUE (a Python literal), e.g. EXAMPLES_PER_STEP=8 "
            "or FINETUNE_LR=\"{'scratch': 5e-4, 'pretrained': 5e-5}\": a default under test")
     a("--only", choices=["ours", "hf"], help="run one side only")
     a("--one_at_a_time", action="store_true", help="ours, then hf (default: both at once)")
@@ -308,11 +308,11 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if bool(args.train) != bool(args.val) or bool(args.train) == bool(args.synthetic):
         raise SystemExit("error: give --train and --val, or --synthetic NAME")
-    import train_gpt2
+    import train_args
     for name_value in args.set:
         name = name_value.split("=")[0]
-        if "=" not in name_value or not hasattr(train_gpt2, name):
-            raise SystemExit(f"error: --set {name_value}: not NAME=VALUE with NAME a constant of train_gpt2.py")
+        if "=" not in name_value or not hasattr(train_args, name):
+            raise SystemExit(f"error: --set {name_value}: not NAME=VALUE with NAME a constant of train_args.py")
     for path in filter(None, (args.train, args.val)):
         if not os.path.isfile(path):
             raise SystemExit(f"error: {path}: no such file")

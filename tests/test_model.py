@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+import train_args
 import train_gpt2
 from train_gpt2 import GPT, GPTConfig
 
@@ -152,7 +153,7 @@ def reference_get_lr(it, max_lr, min_lr, warmup_steps, max_steps):
 
 
 def test_lr_schedule_is_build_nanogpts():
-    args = train_gpt2.build_parser().parse_args([])
+    args = train_args.build_parser().parse_args([])
     assert (args.max_lr, args.min_lr, args.warmup_steps, args.max_steps) == (6e-4, 6e-5, 715, 19073)
     for max_lr, min_lr, warmup, max_steps in [(6e-4, 6e-4 * 0.1, 715, 19073), (6e-4, 6e-5, 715, 19073), (3e-3, 0.0, 10, 60)]:
         for it in list(range(0, 800)) + list(range(800, max_steps + 40, 37)) + [max_steps - 1, max_steps, max_steps + 1]:
