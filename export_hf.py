@@ -3,6 +3,7 @@ export_hf.py: one of our checkpoints -> a folder in the Hugging Face GPT-2 layou
 that transformers, lm-eval and llama.cpp's converter read with no network.
 
     python export_hf.py log/model_19073.pt gpt2_ours/
+    python export_hf.py log_lora/model_00300.pt my_adapter/ --adapter    # peft's layout (a LoRA run's adapters)
     python -c "from transformers import pipeline; print(pipeline('text-generation', 'gpt2_ours')('Hello,'))"
     lm_eval --model hf --model_args pretrained=gpt2_ours --tasks hellaswag
     python llama.cpp/convert_hf_to_gguf.py gpt2_ours
@@ -19,6 +20,9 @@ What goes into the folder:
   task.json               only for a fine-tuned model: the task.json of the data it was fine-tuned on
                           (finetune.py), whose template renders a question as the prompt the model answers;
                           sample.py and answer.py read it (and transformers ignores it)
+A LoRA checkpoint (train_gpt2.py --lora R) exports merged, W + (alpha/R) B A: a plain GPT-2 folder as above. With
+--adapter, its adapters alone, in peft's layout (adapter_config.json, adapter_model.safetensors), which
+peft.PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(base), folder) loads onto the base.
 """
 import argparse
 import json
@@ -26,11 +30,14 @@ import os
 import shutil
 import sys
 
+import lora
 import tokenizer
+from plumbing.checkpoints import load_checkpoint
 
 FILES = ("config.json", "model.safetensors", "generation_config.json", "vocab.json", "merges.txt",
          "tokenizer_config.json", "special_tokens_map.json")
 TASK_FILE = "task.json"  # written as well when the model is fine-tuned on a task
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # --adapter: peft's layout
 EOT_TEXT = "<|endoftext|>"
 
 # -----------------------------------------------------------------------------
@@ -123,7 +130,7 @@ def tokenizer_files(block_size):
 
 def check_output_dir(out_dir):
     """An existing folder is replaced only if it holds nothing but an earlier export's files."""
-    ours = {*FILES, TASK_FILE}
+    ours = {*FILES, TASK_FILE, *ADAPTER_FILES}
     if os.path.isdir(out_dir) and set(os.listdir(out_dir)) - ours:
         other = sorted(set(os.listdir(out_dir)) - ours)[0]
         raise SystemExit(f"error: {out_dir} exists and holds other files ({other}, ...): choose another folder")
@@ -133,19 +140,31 @@ def check_output_dir(out_dir):
 def export(model, out_dir, task=None):
     """Write the folder (with task.json if task, the dict a fine-tuned checkpoint carries); returns how many
     parameters it holds."""
+    weights = hf_weights(model)
+    texts = tokenizer_files(model.config.block_size)
+    texts["config.json"] = json.dumps(hf_config(model.config), indent=2)
+    texts["generation_config.json"] = json.dumps({"bos_token_id": tokenizer.EOT, "eos_token_id": tokenizer.EOT}, indent=2)
+    if task is not None:
+        texts[TASK_FILE] = json.dumps(task, indent=2)
+    write_folder(out_dir, texts, "model.safetensors", weights)
+    return sum(w.numel() for w in weights.values())
+
+def export_adapter(model, out_dir, spec):
+    """A LoRA checkpoint's adapters (model: its base with them, unmerged; spec: the checkpoint's 'lora') in peft's
+    layout; returns how many parameters they hold."""
+    config, tensors = lora.peft_files(model, spec["rank"], spec["alpha"], spec["targets"], spec["base"]["name"])
+    write_folder(out_dir, {"adapter_config.json": json.dumps(config, indent=2)}, "adapter_model.safetensors", tensors)
+    return sum(t.numel() for t in tensors.values())
+
+def write_folder(out_dir, texts, weights_name, weights):
+    """The files ({name: text}, and the tensors as weights_name) in a temporary folder, renamed into place."""
     from safetensors.torch import save_file
     check_output_dir(out_dir)
     out_dir = os.path.abspath(out_dir)
     tmp = f"{out_dir}.tmp{os.getpid()}"
     os.makedirs(tmp)
     try:
-        weights = hf_weights(model)
-        save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        texts = tokenizer_files(model.config.block_size)
-        texts["config.json"] = json.dumps(hf_config(model.config), indent=2)
-        texts["generation_config.json"] = json.dumps({"bos_token_id": tokenizer.EOT, "eos_token_id": tokenizer.EOT}, indent=2)
-        if task is not None:
-            texts[TASK_FILE] = json.dumps(task, indent=2)
+        save_file(weights, os.path.join(tmp, weights_name), metadata={"format": "pt"})
         for name, text in texts.items():
             with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
                 f.write(text)
@@ -155,22 +174,27 @@ def export(model, out_dir, task=None):
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(tmp + ".old", ignore_errors=True)
-    return sum(w.numel() for w in weights.values())
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Export a GPT-2 checkpoint of ours to the Hugging Face layout.")
     p.add_argument("checkpoint", help="one of our checkpoints (log/model_XXXXX.pt); also a Hugging Face-layout "
                                       "folder or gpt2..gpt2-xl, which it re-exports")
     p.add_argument("output_dir", help="the folder to write (replaced if it holds only an earlier export)")
+    p.add_argument("--adapter", action="store_true", help="a LoRA checkpoint: its adapters alone, in peft's layout "
+                   "(default: merged into the base, a plain GPT-2 folder)")
     args = p.parse_args(argv)
     if not os.path.exists(args.checkpoint) and not args.checkpoint.startswith("gpt2"):
         raise SystemExit(f"error: checkpoint {args.checkpoint} not found")
     check_output_dir(args.output_dir)  # before loading anything
+    spec = load_checkpoint(args.checkpoint).get("lora") if args.adapter and os.path.exists(args.checkpoint) else None
+    if args.adapter and not spec:
+        raise SystemExit(f"error: --adapter: {args.checkpoint} is not a LoRA checkpoint (train_gpt2.py --lora R)")
     from train_gpt2 import load_model
-    model, task = load_model(args.checkpoint)  # checksums verified, one error line if unreadable
-    n = export(model, args.output_dir, task)
+    model, task = load_model(args.checkpoint, merge=not args.adapter)  # checksums verified, one error line if unreadable
+    n = export_adapter(model, args.output_dir, spec) if args.adapter else export(model, args.output_dir, task)
+    files = ADAPTER_FILES if args.adapter else FILES + ((TASK_FILE,) if task else ())
     print(f"exported {args.checkpoint} ({n / 1e6:.2f}M parameters, {model.config.n_layer} layers) to "
-          f"{args.output_dir}: {', '.join(FILES + ((TASK_FILE,) if task else ()))}", file=sys.stderr)
+          f"{args.output_dir}: {', '.join(files)}", file=sys.stderr)
 
 if __name__ == "__main__":
     main()

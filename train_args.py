@@ -8,6 +8,7 @@ import json
 import os
 
 import dataloader
+import lora
 from dataloader import TaskLoader
 from plumbing import cache_dir
 from plumbing.checkpoints import list_checkpoints, load_checkpoint
@@ -64,6 +65,12 @@ def build_parser(defaults=True):
     a("--epochs", type=int, default=d(None), help="task data (a finetune.py folder): passes over the training "
       "examples (sets --max_steps; default 3)")
     a("--task_examples", type=int, default=d(200), help="task data: val examples whose answers are scored at each eval")
+    a("--lora", type=int, default=d(0), metavar="R", help="LoRA: train rank-R adapters on a frozen base (lora.py); "
+      "0: train every weight")
+    a("--lora_alpha", type=float, default=d(None), help="LoRA's scale is alpha / R (default: 2 R, a scale of 2 at any "
+      "rank: changing the rank does not change how far a step moves the model)")
+    a("--lora_targets", default=d("attn,proj,fc,mlp_proj"), help="the Linear layers of each block that get adapters: "
+      "attn (attn.c_attn), proj (attn.c_proj), fc (mlp.c_fc), mlp_proj (mlp.c_proj) (default: all four)")
     a("--seed", type=int, default=d(1337))
     a("--demo", action="store_true", default=d(False), help="train a small GPT on a local demo corpus")
     return p
@@ -144,6 +151,9 @@ def resolve_args(argv, ranks):
             ranks.print0(f"no shards in {args.data_dir}/ (run fineweb.py to make them): running the demo instead")
         vars(args).update({k: v for k, v in DEMO_ARGS.items() if k not in given})
         args.demo, args.data_dir = True, cache_dir("demo")
+    check_lora_resume(ckpt, ckpt_file, given)
+    if args.lora:
+        args.lora_targets, args.lora_alpha = lora.parse_targets(args.lora_targets), args.lora_alpha or 2.0 * args.lora
     task = dataloader.read_task(args.data_dir)  # a finetune.py folder, or None: pretraining shards
     if task is not None and saved_args is None:
         ranks.print0(finetuning_defaults(args, given, task, ranks.world_size))
@@ -151,6 +161,14 @@ def resolve_args(argv, ranks):
         raise SystemExit(f"error: --epochs is for task data (a finetune.py folder); {args.data_dir} holds pretraining "
                          "shards: use --max_steps")
     return args, task, ckpt, ckpt_file
+
+def check_lora_resume(ckpt, ckpt_file, given):
+    """A LoRA run is resumed with its --lora, and a full one without: one error line, before the base is loaded."""
+    saved = (ckpt or {}).get("lora")
+    if ckpt is not None and (given.get("lora", 0) != (saved["rank"] if saved else 0)):
+        raise SystemExit(f"error: --resume {ckpt_file}: " + (f"a LoRA run (--lora {saved['rank']}): resume it with --lora "
+                                                             f"{saved['rank']}" if saved else "not a LoRA run: resume it "
+                                                             "without --lora"))
 
 def check_args(args, world_size):
     """Every flag that can be checked alone, before anything expensive."""
@@ -169,5 +187,11 @@ def check_args(args, world_size):
         raise SystemExit(f"error: --n_embd {args.n_embd} is not divisible by --n_head {args.n_head}")
     if args.threads < 0:
         raise SystemExit(f"error: --threads {args.threads} must be 0 (automatic) or positive")
+    if args.lora < 0 or (args.lora and not args.lora_alpha > 0):
+        raise SystemExit(f"error: --lora {args.lora} --lora_alpha {args.lora_alpha}: the rank must be >= 0 (0: no LoRA), "
+                         "alpha positive")
+    if args.lora and args.ipex == "on":
+        raise SystemExit("error: --ipex on with --lora: ipex.optimize replaces the Linear layers that carry the adapters; "
+                         "pass --ipex off")
     if not args.dist_timeout > 0:
         raise SystemExit(f"error: --dist_timeout {args.dist_timeout} must be a positive number of seconds")

@@ -11,6 +11,7 @@ shards fineweb.py writes, cut into blocks; the task folders finetune.py writes, 
 live on the machine (launchers, threads, Intel's libraries, memory, signals, safe files) is in plumbing/. sample.py
 and answer.py generate with the model.
 """
+import argparse
 import json
 import math
 import os
@@ -28,6 +29,7 @@ from plumbing import checkpoints, cpu, inputs, sharding, speedups, world
 from plumbing.checkpoints import append_log, checkpoint_path, list_checkpoints, load_checkpoint
 from plumbing.fused_loss import IGNORE, lm_head_loss
 import dataloader
+import lora
 from tokenizer import VOCAB_SIZE
 from train_args import check_args, resolve_args
 
@@ -249,8 +251,9 @@ class GPT(nn.Module):
             hf = json.load(f)
         model = (build or cls)(GPTConfig(block_size=hf["n_positions"], vocab_size=hf["vocab_size"],
                                           n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"]))
-        # (lm_head.weight is wte's, so it is named, and filled, once)
-        inputs.copy_pretrained_weights(weights_file, dict(model.named_parameters()), CONV1D_WEIGHTS)
+        # (lm_head.weight is wte's, so it is named, and filled, once; LoRA's adapters are not OpenAI's)
+        params = {k: p for k, p in model.named_parameters() if ".lora_" not in k}
+        inputs.copy_pretrained_weights(weights_file, params, CONV1D_WEIGHTS)
         return model
 
     @classmethod
@@ -261,7 +264,8 @@ class GPT(nn.Module):
             checkpoints.load_sharded(ckpt["sharded_path"], model)
         else:
             for k, p in model.named_parameters():
-                sharding.copy_weight(p, ckpt["model"][k])
+                if ".lora_" not in k:  # (a base for LoRA has no adapters yet)
+                    sharding.copy_weight(p, ckpt["model"][k])
         return model
 
     def configure_optimizer(self, weight_decay, learning_rate, device_type):
@@ -293,13 +297,24 @@ def get_lr(it, warmup_steps, max_steps, max_lr, min_lr):
 # -----------------------------------------------------------------------------
 # Loading a trained model (plumbing/checkpoints.py writes checkpoints safely and reads them back)
 
-def load_model(name_or_path, build=None):
+def load_model(name_or_path, build=None, merge=True):
     """(model, task): one of our checkpoints (.pt, or .dcp from a sharded run), or what GPT.from_pretrained reads
     (gpt2..gpt2-xl, a Hugging Face-layout folder). task: the task.json dict of the data a fine-tuned model learned
-    (its checkpoint's, or the folder's task.json, which export_hf.py writes); None for a plain language model."""
+    (its checkpoint's, or the folder's task.json, which export_hf.py writes); None for a plain language model.
+    A LoRA checkpoint holds its adapters, not its base: the base is loaded again, checked to be the one they were
+    trained on, and the adapters merged into it (merge=False: left beside it, for export_hf.py --adapter)."""
     if os.path.isfile(name_or_path) or os.path.isfile(os.path.join(name_or_path, "meta.pt")):
         ckpt = load_checkpoint(name_or_path)
-        return GPT.from_checkpoint(ckpt, build), ckpt.get("task")
+        if not ckpt.get("lora"):
+            return GPT.from_checkpoint(ckpt, build), ckpt.get("task")
+        spec, args = ckpt["lora"], argparse.Namespace(**ckpt["args"])
+        torch.manual_seed(args.seed)  # (a random base is drawn again)
+        base = (load_model(args.init_from)[0] if args.init_from != "scratch" else GPT(GPTConfig(**ckpt["config"])))
+        model = lora.add_adapters(base, spec["rank"], spec["alpha"], spec["targets"], init=False)
+        lora.start(model, args, ckpt, PRETRAINED_NAMES)
+        if ckpt["sharded_path"]:
+            checkpoints.load_sharded(ckpt["sharded_path"], model)
+        return (lora.merge(model) if merge else model), ckpt.get("task")
     task = dataloader.read_task(name_or_path) if os.path.isdir(name_or_path) else None
     return GPT.from_pretrained(name_or_path, build), task
 
@@ -333,17 +348,18 @@ class Run:
         self.grad_accum_steps = args.total_batch_size // (args.batch_size * args.seq_len * ranks.world_size)
         self.train_loader = self.hellaswag = self.lock = self.device_type = self.dtype = self.autocast = self.ipex = None
         self.raw_model = self.model = self.optimizer = None  # raw_model: the plain GPT; model: what trains
-        self.compiled, self.flops_per_token, self.matmul_rate = False, 0, None
+        self.compiled, self.flops_per_token, self.matmul_rate, self.lora = False, 0, None, None
 
     def share_of_matmul_rate(self, dt):
-        """' | N% of this CPU's fp32 matmul rate': the step's FLOPs (6 per parameter and token, plus
-        attention) per second on this rank, against what this CPU's matmuls reach at the model's shape
-        (cpu.MatmulRate: measured again, and said so, when a step beats it)."""
+        """' | N% of this CPU's fp32 matmul rate': the step's FLOPs (6 per parameter and token, 4 for a frozen one:
+        no weight gradient; plus attention) per second on this rank, against what this CPU's matmuls reach at the
+        model's shape (cpu.MatmulRate: measured again, and said so, when a step beats it)."""
         if self.device_type != "cpu":
             return ""
         if self.matmul_rate is None:  # after the first step, outside its time
-            config, n_params = self.raw_model.config, sum(p.numel() for p in self.raw_model.parameters())
-            self.flops_per_token = cpu.flops_per_token(n_params, config.n_layer, config.n_embd, self.args.seq_len)
+            config, params = self.raw_model.config, list(self.raw_model.parameters())
+            self.flops_per_token = cpu.flops_per_token(sum(p.numel() for p in params), config.n_layer, config.n_embd,
+                                                       self.args.seq_len) - 2 * sum(p.numel() for p in params if not p.requires_grad)
             self.matmul_rate = cpu.MatmulRate(self.dtype, config.n_embd)
         return self.matmul_rate.share(self.args.total_batch_size / self.ranks.world_size / dt * self.flops_per_token / 1e9)
 
@@ -388,32 +404,42 @@ def set_up_machine(run):
     dtype, why = speedups.resolve_dtype(args.dtype, device_type, args.n_embd, ranks)  # ranks agree on it
     ranks.print0(why)
     ipex = speedups.ipex_for_dtype(ipex, args.ipex, dtype, device_type != "cpu" or torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    ipex = None if args.lora else ipex  # (ipex.optimize would swap out the Linear layers that carry the adapters)
     return device_type, dtype, speedups.autocast(dtype, device_type), ipex
 
 def build_model(run, ckpt):
     """The model: the checkpoint's weights when resuming; else a scratch GPT-2, OpenAI's weights, or one of our checkpoints.
     --shard full: the model is sharded as it is built (see sharding.build_sharded), so no rank holds all of it.
+    --lora: the base is loaded as for a fresh run (a LoRA checkpoint holds only the adapters), frozen, held in the run's
+    dtype (bf16: built a tensor at a time, never whole in fp32), with adapters on it (lora.py).
     The shards' token ids are checked against its vocabulary first, before any weights are read."""
     args, ranks = run.args, run.ranks
     torch.manual_seed(args.seed)  # same initial weights on every rank
     def build(config, init_weights=False):  # sharded: weights given to each rank's pieces, unless init_weights
         inputs.check_token_ids(dataloader.token_files(args.data_dir, run.task), config.vocab_size, ranks.print0)
+        def make():  # (the adapters are added before sharding: FSDP shards them too)
+            model = GPT(config)
+            return lora.add_adapters(model, args.lora, args.lora_alpha, args.lora_targets, init=False) if args.lora else model
         if run.sharded:
-            return sharding.build_sharded(lambda: GPT(config), ranks, run.dtype == "bf16", init_weights)
-        return GPT(config)
-    if ckpt is not None and not ckpt["sharded_path"]:
+            return sharding.build_sharded(make, ranks, run.dtype == "bf16", init_weights)
+        return sharding.build_in(torch.bfloat16, make, init_weights) if args.lora and run.dtype == "bf16" else make()
+    if ckpt is not None and not ckpt["sharded_path"] and not args.lora:
         model = GPT.from_checkpoint(ckpt, build)
-    elif ckpt is None and args.init_from != "scratch":
+    elif (ckpt is None or args.lora) and args.init_from != "scratch":
         model, _ = load_model(args.init_from, build)
     else:  # from scratch; or the shapes for a sharded checkpoint's weights (read with its AdamW state, in prepare_training)
         config = GPTConfig(**ckpt["config"]) if ckpt is not None else GPTConfig(
             block_size=args.block_size, vocab_size=PADDED_VOCAB_SIZE, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-        model = build(config, init_weights=ckpt is None)
+        model = build(config, init_weights=ckpt is None or args.lora > 0)
+    if args.lora:
+        run.lora, line = lora.start(model, args, ckpt, PRETRAINED_NAMES)
+        ranks.print0(line)
     config, n_params = model.config, sum(p.numel() for p in model.parameters())
     if args.seq_len > config.block_size:
         raise SystemExit(f"error: --seq_len {args.seq_len} is longer than the model's context {config.block_size}")
-    if ranks.master and args.checkpoint_interval > 0:  # weights and AdamW's two moments, in fp32
-        checkpoints.check_free_space(args.log_dir, 12 * n_params, "a checkpoint")
+    if ranks.master and args.checkpoint_interval > 0:  # what trains, and AdamW's two moments, in fp32
+        checkpoints.check_free_space(args.log_dir, 12 * sum(p.numel() for p in model.parameters() if p.requires_grad),
+                                     "a checkpoint")
     ranks.print0(f"model: {n_params / 1e6:.2f}M parameters, {config}")
     return model.to(ranks.device)  # the plain GPT: evaluation and sampling run it eagerly
 
@@ -494,12 +520,12 @@ def save_checkpoint(run, step, val_loss, evaluated=True):
         ranks.print0(f"warning: no checkpoint at step {step}: the weights are not finite, or the val loss is not below {DIVERGED_LOSS:.1f}")
         return
     state = {"config": asdict(model.config), "step": step, "args": dict(vars(args)), "loader": run.train_loader.state_dict(),
-             "rng": {"torch": torch.get_rng_state()}, "val_loss": val_loss, "task": run.task,
+             "rng": {"torch": torch.get_rng_state()}, "val_loss": val_loss, "task": run.task, "lora": run.lora,
              "evaluated": evaluated}  # False: stopped by a signal before this step's evaluations
     if run.sharded:
         checkpoints.save_sharded(checkpoint_path(args.log_dir, step, sharded=True), model, optimizer, state, ranks)
     elif ranks.master:
-        state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
+        state.update(model=lora.adapters(model) if args.lora else model.state_dict(), optimizer=optimizer.state_dict())
         state["checksums"] = checkpoints.tensor_checksums(state)  # verified by load_checkpoint
         checkpoints.atomic_save(state, checkpoint_path(args.log_dir, step))
 

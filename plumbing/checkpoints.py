@@ -109,12 +109,13 @@ def save_sharded(path, model, optimizer, meta, ranks):
     rank 0 adds meta.pt (step, config, data position, RNG...). It is written as path.tmp and renamed
     once every rank has finished, so a folder named model_XXXXX.dcp is always whole."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     tmp = path + ".tmp"
     if ranks.master and os.path.exists(tmp):  # left by a run killed while saving
         shutil.rmtree(tmp)
     torch.distributed.barrier()
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    # (a LoRA run's frozen base is no part of its checkpoints: only what trains, and its AdamW state)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)  # returns when all have written
     if ranks.master:
         atomic_save(meta, os.path.join(tmp, "meta.pt"))
@@ -127,14 +128,16 @@ def load_sharded(path, model, optimizer=None):
     """The weights (and AdamW state) of a sharded checkpoint, into a model sharded over any number of ranks,
     or not sharded at all: each rank reads just the pieces it owns now (DCP reshards on load)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    options = StateDictOptions(ignore_frozen_params=True)  # (a LoRA run's: the adapters, not the base)
     if optimizer is None:
-        state = {"model": model.state_dict()}
+        frozen = {k for k, v in model.state_dict(keep_vars=True).items() if not v.requires_grad}
+        state = {"model": {k: v for k, v in model.state_dict().items() if k not in frozen}}
         dcp.load(state, checkpoint_id=path)
-        return model.load_state_dict(state["model"])
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+        return model.load_state_dict(state["model"], strict=not frozen)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state, options=options)
 
 def tensor_checksums(obj, prefix=""):
     """{path: CRC-32 of the tensor's bytes} for every tensor in a nested dict/list (a checkpoint).

@@ -28,17 +28,18 @@ def lm_head_loss(x, weight, targets):
     with torch.autocast(device_type, enabled=False):  # the dtypes below are chosen by hand
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
             return LMHeadLoss.apply(x, weight, targets, dtype)
-        loss, _, _, n = chunked_loss(x, weight, targets, dtype, grads=False)  # validation: the loss alone
+        loss, _, _, n = chunked_loss(x, weight, targets, dtype, grads=())  # validation: the loss alone
         return loss / n.clamp(min=1)
 
 def chunked_loss(x, weight, targets, dtype, grads):
-    """Summed cross-entropy over the targets that count, if grads its gradients with respect to x (N, C) and
-    weight (V, C), and how many targets counted."""
+    """Summed cross-entropy over the targets that count, its gradients with respect to x (N, C) and weight (V, C) as
+    grads asks ("x", "weight": a frozen weight, LoRA's, needs none, and skipping it saves a third of the work), and
+    how many targets counted."""
     N = x.size(0)
     w = weight.to(dtype)  # one cast of the (tied) weight per call, not one per chunk
     loss = torch.zeros((), dtype=torch.float32, device=x.device)
-    grad_x = torch.empty_like(x) if grads else None
-    grad_w = torch.zeros_like(weight, dtype=torch.float32) if grads else None  # summed over chunks in fp32
+    grad_x = torch.empty_like(x) if "x" in grads else None
+    grad_w = torch.zeros_like(weight, dtype=torch.float32) if "weight" in grads else None  # summed over chunks in fp32
     counts = targets != IGNORE
     for i in range(0, N, LOSS_CHUNK):
         counted = counts[i:i + LOSS_CHUNK, None]
@@ -56,15 +57,18 @@ def chunked_loss(x, weight, targets, dtype, grads):
             # written over g's, so that they are rounded once, like all the others
             g.scatter_(1, yc, (target_logits - lse).exp_().sub_(1.0).to(dtype))
             # an ignored position's gradient is zero: its row of grad_x, and its row of xc in grad_w's product
-            grad_x[i:i + LOSS_CHUNK] = (g @ w) * counted
-            grad_w += g.t() @ (xc * counted)
+            if grad_x is not None:
+                grad_x[i:i + LOSS_CHUNK] = (g @ w) * counted
+            if grad_w is not None:
+                grad_w += g.t() @ (xc * counted)
     return loss, grad_x, grad_w, counts.sum()
 
 class LMHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, targets, dtype):
-        loss, grad_x, grad_w, n = chunked_loss(x, weight, targets, dtype, grads=True)
+        grads = [name for name, t in (("x", x), ("weight", weight)) if t.requires_grad]
+        loss, grad_x, grad_w, n = chunked_loss(x, weight, targets, dtype, grads)
         n = n.clamp(min=1)
         ctx.save_for_backward(grad_x, grad_w, n)
         return loss / n
@@ -73,4 +77,4 @@ class LMHeadLoss(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_x, grad_w, n = ctx.saved_tensors
         scale = grad_loss / n  # the mean's 1/N, applied to these two gradients rather than to all the logits
-        return grad_x * scale, grad_w * scale, None, None
+        return (None if grad_x is None else grad_x * scale), (None if grad_w is None else grad_w * scale), None, None

@@ -3,6 +3,7 @@ Sharding (FSDP2): the weights, gradients and AdamW state of a GPT split across t
 Openly model-aware: it shards GPT's blocks one by one and replays GPT's own initialization.
 """
 import torch
+import torch.nn as nn
 
 def shard_model(model, ranks, bf16):
     """FSDP2 (fully sharded data parallel): every parameter is split in world_size pieces along its first
@@ -21,21 +22,40 @@ def shard_model(model, ranks, bf16):
     ranks.print0(f"shard: FSDP2, each rank holds 1/{ranks.world_size} of the weights, gradients and AdamW state")
 
 def build_sharded(build, ranks, bf16, init_weights=True):
-    """build() -> a model, sharded without any rank ever holding all of it: it is built on the meta device
-    (shapes, no storage), sharded, and only then given memory: each rank allocates just its pieces.
-    init_weights: fill them with exactly the weights that build() followed by shard_model() would give
-    (so a sharded run starts where a DDP run does), one module at a time; else leave them for a checkpoint.
+    """build() -> a model, sharded without any rank ever holding all of it: built on the meta device (shapes, no
+    storage), sharded, and only then given memory: each rank allocates just its pieces (see build_in_pieces)."""
+    def shard_then_allocate(model):
+        shard_model(model, ranks, bf16)
+        model.to_empty(device="cpu")
+    return build_in_pieces(build, shard_then_allocate, init_weights)
+
+def build_in(dtype, build, init_weights=True):
+    """build() -> a model whose frozen weights are held in dtype (a LoRA base in bf16; what trains stays fp32), with
+    never a whole fp32 copy of it in memory: built on the meta device, given storage, then filled a tensor at a time."""
+    def allocate(model):
+        held = {}  # meta parameter -> its tensor: a weight two modules share (wte, lm_head) stays one
+        for module in model.modules():
+            for name, p in module._parameters.items():
+                if p is not None:
+                    held.setdefault(id(p), nn.Parameter(torch.empty(p.shape, dtype=p.dtype if p.requires_grad else dtype),
+                                                        p.requires_grad))
+                    module._parameters[name] = held[id(p)]
+    return build_in_pieces(build, allocate, init_weights)
+
+def build_in_pieces(build, allocate, init_weights=True):
+    """build() on the meta device, allocate(model) gives it memory (each rank's pieces, or another dtype), then
+    init_weights: fill it with exactly the weights that build() would give (so a sharded run starts where a DDP run
+    does), one module at a time; else leave them for a checkpoint or pretrained weights.
     The replay: every module's constructor draws its own random init (which GPT._init_weights then
     overwrites, but the draws move the random generator), so first each module's constructor init is drawn
     and dropped, in construction order; then, in _init_weights' order, each module is made in full on its
-    own, initialized, and each rank keeps its piece of every parameter."""
+    own, initialized, and copied into the model's (a rank keeping its piece of every parameter)."""
     import copy
     with torch.device("meta"):
         model = build()
     empty_copy = {n: copy.deepcopy(m) for n, m in model.named_modules()  # still on meta: no memory yet
                   if next(m.parameters(recurse=False), None) is not None}  # (the modules that own parameters)
-    shard_model(model, ranks, bf16)
-    model.to_empty(device="cpu")
+    allocate(model)
     if not init_weights:
         return model
     for empty in empty_copy.values():  # registration order is construction order for GPT
@@ -69,7 +89,7 @@ def load_full_optimizer_state(model, optimizer, state):
     """A plain checkpoint's AdamW state (as optimizer.state_dict() numbers the parameters) into the
     optimizer of a sharded model: each rank keeps its pieces. The numbering is configure_optimizer's."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    names = [n for decay in (True, False) for n, p in model.named_parameters() if (p.dim() >= 2) == decay]
+    names = [n for decay in (True, False) for n, p in model.named_parameters() if p.requires_grad and (p.dim() >= 2) == decay]
     by_name = {"state": {names[i]: s for i, s in state["state"].items()},
                "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
