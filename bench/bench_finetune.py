@@ -27,7 +27,9 @@ A configuration (--a, --b) is one of these names, then optional items, comma-sep
   items: compile | eager (ours; default compile), fp32 | bf16 (default: --dtype, resolved by each worker),
          keep | release (freed memory kept for reuse, as train_gpt2.py does; default keep for ours, release
          for hf_padded: glibc's default, what a user's process has), batch_size=N (rows for ours, examples
-         for hf_padded), threads=N, loss_chunk=N, budget=F, NAME=VALUE: as in bench_train.py.
+         for hf_padded), threads=N, loss_chunk=N, budget=F, NAME=VALUE: as in bench_train.py; lora=R (ours:
+         train_gpt2.py --lora R: rank-R adapters, alpha 2R, on every target; the base frozen, in bf16 where the
+         step is).
 
 Counted: example tokens, an example's positions (tokens - 1: the last token is only predicted), padding
 excluded; pretrain's are all B x T. "positions" are what the step computes on: B x T rows for ours (padding
@@ -57,6 +59,7 @@ from plumbing import cpu, fused_loss, speedups, world
 from plumbing.fused_loss import IGNORE
 from tasks import Example
 from tokenizer import EOT
+import lora
 import train_args
 import train_gpt2
 from train_gpt2 import GPTConfig
@@ -129,12 +132,14 @@ def padded_batch(tokens, targets, examples, indices):
     return ids, mask, labels
 
 
-def step_flops(n_params, lm_head_params, n_layer, n_embd, positions, logits, spans):
+def step_flops(n_params, lm_head_params, n_layer, n_embd, positions, logits, spans, frozen=0):
     """The FLOPs of a training step (forward + backward) as it runs: 6 per parameter and position (2 forward,
-    4 backward), lm_head's only at the positions whose logits are computed, and attention's scores and weighted
-    sum, 12 n_layer n_embd per query and key in each span attended over (an example, a row, a padded batch row).
-    For rows of T attended whole it is cpu.flops_per_token(...) per position, as bench_train.py counts."""
-    return (6 * (n_params - lm_head_params) * positions + 6 * lm_head_params * logits
+    4 backward; 4 for a frozen one, LoRA's base: no weight gradient), lm_head's only at the positions whose logits
+    are computed, and attention's scores and weighted sum, 12 n_layer n_embd per query and key in each span
+    attended over (an example, a row, a padded batch row). For rows of T attended whole it is
+    cpu.flops_per_token(...) per position, as bench_train.py counts. (frozen: the frozen parameters but lm_head.)"""
+    lm_head_flops = (4 if frozen else 6) * lm_head_params * logits
+    return ((6 * (n_params - lm_head_params) - 2 * frozen) * positions + lm_head_flops
             + 12 * n_layer * n_embd * sum(s * s for s in spans))
 
 
@@ -151,6 +156,10 @@ def our_step(cfg, args, B):
                        n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     raw_model = common.random_model(config, cfg.get("threads") or cpu.physical_cores())
     dtype_name, dtype_line = speedups.resolve_dtype(cfg.get("dtype", args.dtype), "cpu", args.n_embd)
+    if cfg.get("lora"):  # the trainer's LoRA: a frozen base, in the step's dtype, and fp32 adapters
+        lora.add_adapters(raw_model, cfg["lora"], 2.0 * cfg["lora"], list(lora.TARGETS))
+        for p in raw_model.parameters():
+            p.data = p.data if p.requires_grad or dtype_name == "fp32" else p.data.to(torch.bfloat16)
     run_args = train_args.build_parser().parse_args(["--batch_size", str(B), "--seq_len", str(T),
                                                      "--total_batch_size", str(B * T * accum), "--dtype", dtype_name])
     run = train_gpt2.Run(run_args, world.Ranks(0, 1, 0, 1, "single"), task=None)
@@ -159,6 +168,7 @@ def our_step(cfg, args, B):
     run.model = speedups.compile_model(raw_model, cfg.get("budget")) if cfg["compile"] else raw_model
     run.autocast = speedups.autocast(dtype_name, "cpu")
     n_params, lm_head = sum(p.numel() for p in raw_model.parameters()), raw_model.lm_head.weight.numel()
+    frozen = sum(p.numel() for p in raw_model.parameters() if not p.requires_grad) - lm_head * bool(cfg.get("lora"))
     if cfg["kind"] == "pretrain":  # the same random batches every step, as bench_train.py
         pretrain = [(torch.randint(0, EOT, (B, T)), torch.randint(0, EOT, (B, T)), None) for _ in range(accum)], None
     else:
@@ -176,7 +186,7 @@ def our_step(cfg, args, B):
             tokens = int(sum(loader.lengths[i] for r in loader.rows[row:loader.row] for i in r))
             logits = sum(len(packed.picked) for _, _, packed in prepared[0])  # the positions lm_head runs on
             spans = [int(n) for _, _, packed in prepared[0] for n in packed.lengths]  # packed_attention's calls
-        flops = step_flops(n_params, lm_head, args.n_layer, args.n_embd, B * T * accum, logits, spans)
+        flops = step_flops(n_params, lm_head, args.n_layer, args.n_embd, B * T * accum, logits, spans, frozen)
         run.train_loader = SimpleNamespace(next_step=lambda micro_steps: prepared)
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0, cpu0 = time.perf_counter(), time.process_time()

@@ -103,7 +103,7 @@ def parse_config(text):
             cfg["dtype"] = item
         elif item == "plain":
             cfg.update(compile=False, loss="full", memory="release")
-        elif key in ("loss_chunk", "threads", "batch_size") and value.isdigit() and int(value) > 0:
+        elif key in ("loss_chunk", "threads", "batch_size", "lora") and value.isdigit() and int(value) > 0:
             cfg[key] = int(value)
         elif key == "budget" and value.replace(".", "", 1).isdigit() and 0 < float(value) <= 1:
             cfg[key] = float(value)
@@ -117,7 +117,7 @@ def parse_config(text):
 def describe(cfg, words):
     """A configuration's name, for its lines: the script's `words` for it, then its dtype and the items with a value."""
     words = words + [cfg["dtype"]] * ("dtype" in cfg)
-    words += [f"{k}={cfg[k]}" for k in ("batch_size", "loss_chunk", "threads", "budget") if k in cfg]
+    words += [f"{k}={cfg[k]}" for k in ("lora", "batch_size", "loss_chunk", "threads", "budget") if k in cfg]
     words += [f"{k}={os.path.basename(v)}" for k, v in cfg.get("env", {}).items()]
     return ",".join(words)
 
