@@ -51,6 +51,8 @@ def build_parser(defaults=True):
     a("--overwrite", action="store_true", default=d(False), help="start afresh in a --log_dir that holds a run")
     a("--dtype", choices=["auto", "bf16", "fp32"], default=d("auto"), help="precision of the forward pass; auto = bf16 "
       "where it is fast (a CPU with AVX512-BF16 or AMX, measured; a GPU that has it), else fp32")
+    a("--recompute", action="store_true", default=d(False), help="keep only each block's input for backward, which "
+      "runs the block's forward again: a third more work, a fraction of the activations' memory (GPT-2 XL with LoRA)")
     a("--compile", action=argparse.BooleanOptionalAction, default=d(True),
       help="torch.compile the training step (--no-compile: run it eagerly)")
     a("--device", default=d("auto"), help="auto | cpu | cuda | cuda:N | xpu")

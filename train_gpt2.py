@@ -171,6 +171,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
         self.apply(self._init_weights)
+        self.recompute = False  # train_gpt2.py --recompute
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
@@ -198,7 +199,11 @@ class GPT(nn.Module):
             positions = torch.arange(T, dtype=torch.long, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)
         for layer, block in enumerate(self.transformer.h):
-            x = block(x, cache, layer, attn_mask, lengths)
+            if self.recompute and torch.is_grad_enabled():  # --recompute: keep only the block's input for backward,
+                # which runs the block again to get the rest: one more forward, for a fraction of the activations
+                x = torch.utils.checkpoint.checkpoint(block, x, cache, layer, attn_mask, lengths, use_reentrant=False)
+            else:
+                x = block(x, cache, layer, attn_mask, lengths)
         if cache is not None:
             cache.pos += T
         return self.transformer.ln_f(x)
@@ -434,6 +439,7 @@ def build_model(run, ckpt):
     if args.lora:
         run.lora, line = lora.start(model, args, ckpt, PRETRAINED_NAMES)
         ranks.print0(line)
+    model.recompute = args.recompute
     config, n_params = model.config, sum(p.numel() for p in model.parameters())
     if args.seq_len > config.block_size:
         raise SystemExit(f"error: --seq_len {args.seq_len} is longer than the model's context {config.block_size}")

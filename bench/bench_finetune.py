@@ -1,44 +1,37 @@
 """
-Does packing cost speed? Our fine-tuning step on packed rows, against our pretraining step of the same shape,
-and against what a user would run instead on a CPU: transformers' GPT2LMHeadModel on padded batches.
+Does packing cost speed, and what does LoRA save? Our fine-tuning step on packed rows, against our pretraining step
+of the same shape, against what a user would run instead on a CPU (transformers' GPT2LMHeadModel on padded batches),
+and with LoRA adapters on a frozen base against full fine-tuning.
 
-    python bench/bench_finetune.py --ab --a packed --b pretrain     # target: >= 1.0x in tokens/s
-    python bench/bench_finetune.py --ab --a packed --b hf_padded    # target: >= 1.5x in example tokens/s,
-                                                                    #         at no more peak memory
-    python bench/bench_finetune.py --a packed --profile             # where the time of one packed step goes
+    python bench/bench_finetune.py --ab --a packed --b pretrain          # target: >= 1.0x in tokens/s
+    python bench/bench_finetune.py --ab --a packed --b hf_padded         # target: >= 1.5x, at no more peak memory
+    python bench/bench_finetune.py --ab --a packed,lora=16 --b packed    # target: >= 1.3x in example tokens/s
+    python bench/bench_finetune.py --a packed --profile                  # where the time of one packed step goes
 
-The examples: Alpaca-like, --example_len 50 400 tokens (uniform, seeded; capped at --seq_len), each ending
-with <|endoftext|>, the last 40% of its tokens the answer (the targets: finetune.py's answer-only default).
-Their token ids are random: speed does not depend on them. They are written as a finetune.py folder, in a
-temporary directory, and read back by dataloader.TaskLoader, so every configuration sees the same examples
-in the same (shuffled) order.
+The examples: Alpaca-like, --example_len 50 400 tokens (uniform, seeded; capped at --seq_len), each ending with
+<|endoftext|>, the last 40% of its tokens the answer (the targets). Their ids are random: speed does not depend on
+them. They are written as a finetune.py folder, read back by dataloader.TaskLoader: every configuration sees the
+same examples in the same (shuffled) order.
 
 A configuration (--a, --b) is one of these names, then optional items, comma-separated:
     pretrain     train_gpt2.train_step on B x T random tokens: the pretraining step (bench_train.py's default)
-    packed       train_gpt2.train_step on TaskLoader's packed rows of B x T: examples end to end, positions
-                 restarting at 0, attention inside each example (packed_attention), targets only on the
-                 answers, the loss the mean over the step's targets. The trainer's code path, not a copy.
-    hf_padded    transformers' GPT2LMHeadModel (same shape, no dropout, as ours; its default attention),
-                 N examples per micro-step padded to the longest of them (dynamic padding, as
-                 DataCollatorWithPadding and TRL without packing do) with an attention_mask, labels -100 on
-                 the prompts and padding; fused AdamW and gradient clipping at 1.0 (Trainer's defaults),
-                 eager (Trainer's default), under bf16 autocast where ours is bf16 (Trainer's bf16=True).
-                 N is chosen so that a step holds as many example tokens as a packed step, on average.
-  items: compile | eager (ours; default compile), fp32 | bf16 (default: --dtype, resolved by each worker),
-         keep | release (freed memory kept for reuse, as train_gpt2.py does; default keep for ours, release
-         for hf_padded: glibc's default, what a user's process has), batch_size=N (rows for ours, examples
-         for hf_padded), threads=N, loss_chunk=N, budget=F, NAME=VALUE: as in bench_train.py; lora=R (ours:
-         train_gpt2.py --lora R: rank-R adapters, alpha 2R, on every target; the base frozen, in bf16 where the
-         step is).
+    packed       train_gpt2.train_step on TaskLoader's packed rows of B x T (positions restarting at 0, attention
+                 inside each example, targets on the answers only): the trainer's code path, not a copy
+    hf_padded    transformers' GPT2LMHeadModel (same shape, no dropout; its default attention), N examples per
+                 micro-step padded to the longest (dynamic padding, as DataCollatorWithPadding and TRL without
+                 packing do), labels -100 on prompts and padding; fused AdamW, clipping at 1.0, eager, bf16 autocast
+                 where ours is bf16 (Trainer's defaults). N: as many example tokens a step as a packed step has.
+  items: as in bench_train.py (compile | eager, fp32 | bf16, keep | release, batch_size=N: rows for ours, examples
+         for hf_padded, threads=N, loss_chunk=N, budget=F, NAME=VALUE), and lora=R (ours: train_gpt2.py --lora R,
+         rank-R adapters, alpha 2R, on every target; the base frozen, in bf16 where the step is).
 
-Counted: example tokens, an example's positions (tokens - 1: the last token is only predicted), padding
-excluded; pretrain's are all B x T. "positions" are what the step computes on: B x T rows for ours (padding
-included), N x the longest example for hf_padded. MFU: the FLOPs each step executes (6 per parameter and
-position, lm_head's only at the positions it runs on: packed, the targets rounded up to a multiple of LOSS_CHUNK;
-attention over each span it runs: each example for packed, the whole padded length for hf_padded) per second,
-against this CPU's matmul rate in the configuration's dtype.
-Lock-step as bench_train.py: both configurations built in advance, each in its own process, one step of A
-and one of B in turns, B first in every other pair; the per-pair ratios and their median.
+Counted (tokens/s): example tokens, an example's positions (tokens - 1: the last is only predicted), padding
+excluded; pretrain's are all B x T. positions: what the step computes on (B x T rows for ours, N x the longest for
+hf_padded). cpu A:B: tokens per CPU second (all threads), steadier than wall time on a busy machine. MFU: the FLOPs
+each step executes (see step_flops) per second, against this CPU's matmul rate in the configuration's dtype. peak
+RSS: during the measured steps; warm-up RSS: from the process's start, building and compiling included.
+Lock-step as bench_train.py: both built in advance, each in its own process, one step of A and one of B in turns,
+B first in every other pair; the per-pair ratios and their median.
 """
 import argparse
 import json
@@ -68,7 +61,6 @@ KINDS = ("pretrain", "packed", "hf_padded")
 ANSWER_SHARE = 0.4  # the last 40% of an example's tokens are its answer (EOT included): its targets
 SEED = 1337  # of the examples' lengths and ids, and of TaskLoader's order
 
-
 def parse_config(text):
     """'packed,eager,threads=1' -> {'kind': 'packed', 'compile': False, ...}; items as in bench_train.py."""
     kind, _, rest = text.partition(",")
@@ -86,14 +78,11 @@ def parse_config(text):
         cfg.update(compile=False, loss="full", memory="keep" if "keep" in items else "release")
     return cfg
 
-
 def describe(cfg):
     return common.describe(cfg, [cfg["kind"], "compile" if cfg["compile"] else "eager", cfg["memory"]])
 
-
 # -----------------------------------------------------------------------------
 # The examples: a finetune.py folder (its own writer), read by the trainer's TaskLoader
-
 
 def write_examples(out_dir, n, lo, hi, seed=SEED):
     """n examples of lo..hi tokens (uniform), random ids, each ending with EOT, the last ANSWER_SHARE of it the
@@ -109,11 +98,9 @@ def write_examples(out_dir, n, lo, hi, seed=SEED):
         examples.append(Example(ids, targets, answer_start))
     finetune.write_split(out_dir, "train", examples)
 
-
 def example_order(task_dir, B, T):
     """The examples in the order training takes them: TaskLoader's rows of the first epoch, end to end."""
     return [i for row in TaskLoader(task_dir, "train", B, T, seed=SEED).rows for i in row]
-
 
 def padded_batch(tokens, targets, examples, indices):
     """transformers' way: the examples right-padded to the longest (pad id EOT, as GPT-2's tokenizer is set up for
@@ -131,7 +118,6 @@ def padded_batch(tokens, targets, examples, indices):
         labels[r, :n] = torch.where(torch.from_numpy(targets[start:end] > 0), row, IGNORE)
     return ids, mask, labels
 
-
 def step_flops(n_params, lm_head_params, n_layer, n_embd, positions, logits, spans, frozen=0):
     """The FLOPs of a training step (forward + backward) as it runs: 6 per parameter and position (2 forward,
     4 backward; 4 for a frozen one, LoRA's base: no weight gradient), lm_head's only at the positions whose logits
@@ -142,10 +128,8 @@ def step_flops(n_params, lm_head_params, n_layer, n_embd, positions, logits, spa
     return ((6 * (n_params - lm_head_params) - 2 * frozen) * positions + lm_head_flops
             + 12 * n_layer * n_embd * sum(s * s for s in spans))
 
-
 # -----------------------------------------------------------------------------
 # The worker: one configuration in its own process, stepping when told to
-
 
 def our_step(cfg, args, B):
     """train_gpt2.train_step, the trainer's own step, on pretraining batches or on TaskLoader's packed rows. Returns
@@ -200,7 +184,6 @@ def our_step(cfg, args, B):
 
     return step, n_params, dtype_name, dtype_line
 
-
 def hf_step(cfg, args, N):
     """transformers' GPT2LMHeadModel trained on padded batches of N examples, as its Trainer does without packing."""
     import transformers
@@ -252,17 +235,14 @@ def hf_step(cfg, args, N):
 
     return step, n_params, dtype_name, dtype_line
 
-
 def worker(cfg, args):
     if cfg["memory"] == "keep":
         cpu.keep_freed_memory()
     make = hf_step if cfg["kind"] == "hf_padded" else our_step
     common.serve(*make(cfg, args, cfg["batch_size"]), args.n_embd)
 
-
 # -----------------------------------------------------------------------------
 # The parent: the examples, the workers, warm-up, the lock-step, the report
-
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -287,7 +267,6 @@ def main():
     finally:
         shutil.rmtree(args.task_dir)
 
-
 def prepare_examples(args, configs):
     """Writes the examples; sets hf_padded's examples per micro-step (unless given) to a packed step's average.
     Returns the line that describes them."""
@@ -308,7 +287,6 @@ def prepare_examples(args, configs):
     return (f"examples: {len(loader.lengths)} of {lo}..{hi} tokens (uniform, seed {SEED}; mean "
             f"{loader.lengths.mean() + 1:.0f}), the last {ANSWER_SHARE:.0%} of each its targets; "
             f"packed {per_row:.2f} to a row of {T}, {padding:.1%} padding")
-
 
 def benchmark(args, configs):
     examples_line = prepare_examples(args, configs)
@@ -333,7 +311,6 @@ def benchmark(args, configs):
               "cpu A:B": (7, common.ratio("tokens", "cpu"))}
     report(args, workers, *common.measure(workers, args.steps, columns, ratios))
 
-
 def report(args, workers, results, rates, ratios):
     print()
     width = max(len(describe(w.cfg)) for w in workers)
@@ -351,20 +328,13 @@ def report(args, workers, results, rates, ratios):
               f"{sum(r['positions'] for r in runs) / seconds:8.0f} {mfu[w.name]:6.1%} {rss[w.name] / 2**30:5.2f} GiB "
               f"{faults:11.0f} {w.first:8.1f} s {w.warmup_peak['peak_rss'] / 2**30:7.2f} GiB")
     common.print_matmul_shares(workers, mfu, rates)
-    print("tokens/s: example tokens (an example's positions, padding excluded; pretrain: all) per second over the\n"
-          "measured steps; pos/s: the positions each step computes on, padding included. MFU: the FLOPs each step\n"
-          "executes per second, against this CPU's matmul rate in the configuration's dtype at the model's shape,\n"
-          "as probed after every pair (GFLOP/s columns above). A:B: A's tokens/s over B's, in that pair; pos A:B:\n"
-          "the same in positions/s (same shapes: B's step time over A's); cpu A:B: tokens per CPU second (all\n"
-          "threads), steadier than wall time on a busy machine. peak RSS: the process's most resident memory during\n"
-          "the measured steps; warm-up RSS: during warm-up, compilation included. first step: includes compiling.")
+    print("(the columns: python bench/bench_finetune.py --help)")
     if args.ab:
         median = {k: statistics.median(v) for k, v in ratios.items()}
         print(f"A/B: A is {median['A:B']:.2f}x B in example tokens/s (median of {len(ratios['A:B'])} per-pair "
               f"ratios; min {min(ratios['A:B']):.2f}, max {max(ratios['A:B']):.2f}); in positions/s "
               f"{median['pos A:B']:.2f}x; in CPU time {median['cpu A:B']:.2f}x")
         print(f"peak RSS: A {rss['A'] / 2**30:.2f} GiB, B {rss['B'] / 2**30:.2f} GiB (A/B {rss['A'] / rss['B']:.2f})")
-
 
 if __name__ == "__main__":
     main()

@@ -263,7 +263,7 @@ def measure(workers, steps, columns, ratios):
             rates[w.name].append(w.ask("rate")["rate"])
             results[w.name].append(now[w.name])
         line = f"{i + 1:4d} " + " ".join(row(now[w.name]) for w in workers) + " "
-        line += " ".join(f"{rates[w.name][-1]:10.0f}" for w in workers)
+        line += " ".join(f"{cpu.rate_text(rates[w.name][-1]):>10}" for w in workers)
         for k, (width, a_to_b) in ratios.items():
             values[k].append(a_to_b(now["A"], now["B"]))
             line += f" {values[k][-1]:{width}.2f}"
@@ -280,4 +280,4 @@ def print_cpu_line(threads):
 def print_matmul_shares(workers, mfu, rates):
     for w in workers:
         print(f"{w.name}: {mfu[w.name]:.1%} of this CPU's {w.cfg['dtype']} matmul rate, "
-              f"{max(rates[w.name]):.0f} GFLOP/s (the fastest probe)")
+              f"{cpu.rate_text(max(rates[w.name]))} GFLOP/s (the fastest probe)")
