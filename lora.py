@@ -44,24 +44,23 @@ class LoRALinear(nn.Linear):
 class LoRAProduct(torch.autograd.Function):
 
     @staticmethod
-    @torch.amp.custom_fwd(device_type="cpu")
-    def forward(ctx, x, weight, bias, A, B, scale):
+    def forward(ctx, x, weight, bias, A, B, scale):  # (under autocast, its matmuls run in autocast's dtype)
         ctx.save_for_backward(x, weight, A, B)
         ctx.scale = scale
         return F.linear(x, merged(weight, A, B, scale), bias)
 
     @staticmethod
-    @torch.amp.custom_bwd(device_type="cpu")
     def backward(ctx, grad):
         x, weight, A, B = ctx.saved_tensors
-        g, x2 = grad.reshape(-1, grad.size(-1)), x.reshape(-1, x.size(-1))  # (tokens, out), (tokens, in)
-        grad_x = (g @ merged(weight, A, B, ctx.scale).to(g.dtype)).view(x.shape)
-        grad_A = ctx.scale * (g @ B.to(g.dtype)).t() @ x2.to(g.dtype)  # dL/dA = s (g B)ᵀ x
-        grad_B = ctx.scale * g.t() @ (x2 @ A.to(x2.dtype).t())          # dL/dB = s gᵀ (x Aᵀ)
-        return grad_x, None, None, grad_A.to(A.dtype), grad_B.to(B.dtype), None
+        g = grad.reshape(-1, grad.size(-1))  # (tokens, out), in the dtype the forward's matmuls ran in: so is the rest
+        x, A, B = x.reshape(-1, x.size(-1)).to(g.dtype), A.to(g.dtype), B.to(g.dtype)
+        grad_x = g @ merged(weight.to(g.dtype), A, B, ctx.scale)
+        grad_A = ctx.scale * (g @ B).t() @ x   # dL/dA = s (g B)ᵀ x
+        grad_B = ctx.scale * g.t() @ (x @ A.t())   # dL/dB = s gᵀ (x Aᵀ)
+        return grad_x.view(grad.shape[:-1] + (-1,)), None, None, grad_A, grad_B, None  # (autograd casts to A's dtype)
 
 def merged(weight, A, B, scale):
-    """W + scale B A, in the matmul's dtype (autocast's, or W's)."""
+    """W + scale B A, in W's dtype."""
     return torch.addmm(weight, B.to(weight.dtype), A.to(weight.dtype), alpha=scale)
 
 def parse_targets(text):
