@@ -1,5 +1,4 @@
 """export_hf.py: our checkpoints in the Hugging Face GPT-2 layout, read by transformers with no network."""
-import io
 import json
 import os
 import subprocess

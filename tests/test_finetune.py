@@ -7,13 +7,11 @@ Run: pytest tests/test_finetune.py -q   (everything is made in tmp_path; no netw
 """
 import json
 import os
-import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)

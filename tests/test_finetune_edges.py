@@ -8,7 +8,6 @@ import os
 import sys
 
 import pytest
-import torch
 
 import answer
 import dataloader

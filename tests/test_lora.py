@@ -15,7 +15,7 @@ from torch.nn import functional as F
 import export_hf
 import lora
 import train_gpt2
-from conftest import REPO, TINY_MODEL, make_shards, read_log, run_train
+from conftest import REPO, make_shards, read_log, run_train
 from plumbing import sharding
 from train_gpt2 import GPT, GPTConfig
 

@@ -15,7 +15,6 @@ import torch._dynamo
 import torch._dynamo.utils
 import torch.nn.functional as F
 
-import train_gpt2
 from plumbing import fused_loss, speedups
 from conftest import HELLASWAG_EXAMPLES, REPO, make_shards, read_log, run_train, tiny_run_args, write_hellaswag
 from train_gpt2 import GPT, GPTConfig

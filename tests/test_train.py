@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from plumbing import checkpoints
+from plumbing import checkpoints, inputs
 import train_gpt2
 from conftest import REPO, make_shards, read_log, run_train, tiny_run_args
 from dataloader import DataLoader, ValLoader
@@ -22,7 +22,7 @@ def blocks_of(x):
 
 def epoch_blocks(data_dir, T):
     out = []
-    for f in train_gpt2.find_shards(data_dir, "train"):
+    for f in inputs.find_shards(data_dir, "train"):
         a = np.load(f)
         out += [tuple(a[i * T:i * T + T].tolist()) for i in range((len(a) - 1) // T)]
     return out
