@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,8 @@ import torch
 
 import train_gpt2
 from plumbing import checkpoints
-from conftest import REPO, make_shards, read_log, run_train, tiny_run_args
+from conftest import (LIMIT, REPO, TORCHRUN, clean_env, final_weights_diff, free_port, make_shards, read_log,
+                      run_launched, run_train, start_ranks, tiny_run_args)
 
 from plumbing.world import choose_backend, detect_launch
 from plumbing.cpu import cpu_list, physical_cores, ranks_sharing_cpus
@@ -34,10 +34,10 @@ from dataloader import DataLoader
 FAKE_CCL = os.path.join(REPO, "tests", "fake_ccl")
 EQUAL = ["--batch_size", "2", "--total_batch_size", "384"]  # 6, 3 or 2 micro-steps on 1, 2 or 3 ranks
 TOL = 1e-5
-LIMIT = 300  # seconds any one run may take here before it counts as hung (a run takes 10-30)
-TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-               "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+
+# launchers and ranks: the whole file runs on one xdist worker, one test at a time (docs/tests.md), which also
+# builds the runs the tests share (single, two_ranks, two_ranks_sharded) once
+pytestmark = pytest.mark.xdist_group("multiprocess")
 
 
 def need(available, what):
@@ -46,39 +46,6 @@ def need(available, what):
         if os.environ.get("CI") == "true":
             pytest.fail(f"{what} is missing in CI: .ci/install-system should have installed it")
         pytest.skip(f"{what} is not available here")
-
-
-def clean_env(**extra):
-    """This environment without any launcher's variables (as if typed in a fresh shell), plus extra."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in LAUNCH_VARS and not k.startswith(("OMPI_", "PMI_", "MPI_LOCAL", "SLURM_", "PMIX_"))}
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_launched(args, launcher, env, check=True):
-    """Like conftest.run_train, for launchers that start the ranks as their children (torchrun, mpirun):
-    in a session of its own, so that a hung run is killed whole, ranks included, after LIMIT seconds."""
-    cmd = [*launcher, os.path.join(REPO, "train_gpt2.py"), *map(str, args)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=LIMIT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"{' '.join(cmd)} still running after {LIMIT}s:\n{out}\n{err}")
-    done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out}\n{err}")
-    return done
 
 
 def weights_digest(state):
@@ -98,13 +65,6 @@ def checkpoint_val(log_dir, step):
     run's checkpoint is a folder (model_XXXXX.dcp)."""
     path = next(f for f in train_gpt2.list_checkpoints(str(log_dir)) if checkpoints.checkpoint_step(f) == step)
     return train_gpt2.load_checkpoint(path)["val_loss"]
-
-
-def final_weights_diff(log_a, log_b):
-    """The largest difference between the final weights of two runs, read from their last checkpoints
-    (one file, or a sharded folder: load_model reads either)."""
-    a, b = (train_gpt2.load_model(train_gpt2.list_checkpoints(str(d))[-1])[0].state_dict() for d in (log_a, log_b))
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def assert_same_run(ref_dir, dist_dir, tol=TOL):
@@ -324,19 +284,12 @@ def test_resume_two_ranks_equals_uninterrupted_with_ccl_backend(two_ranks, tmp_p
 # Failures: a dead or hung rank must not hold the others; a multi-host job needs MASTER_ADDR
 
 
-def start_ranks(data, log_dir, world_size, *extra):
-    """World_size processes started by hand with torchrun's variables, outputs in files."""
-    port = free_port()
-    procs = []
-    for rank in range(world_size):
-        out = open(os.path.join(os.path.dirname(log_dir), f"rank{rank}.out"), "w+")
-        env = clean_env(RANK=rank, WORLD_SIZE=world_size, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world_size,
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        cmd = [sys.executable, os.path.join(REPO, "train_gpt2.py"),
-               *map(str, tiny_run_args(data, log_dir, *EQUAL, "--max_steps", "100000", "--eval_interval", "0",
-                                       "--checkpoint_interval", "100000", *extra))]
-        procs.append((subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO), out))
-    return procs
+def ranks_by_hand(data, log_dir, world_size, *extra):
+    """world_size ranks started by hand with torchrun's variables, training until stopped, outputs in files."""
+    outputs = [open(os.path.join(os.path.dirname(log_dir), f"rank{rank}.out"), "w+") for rank in range(world_size)]
+    args = tiny_run_args(data, log_dir, *EQUAL, "--max_steps", "100000", "--eval_interval", "0",
+                         "--checkpoint_interval", "100000", *extra)
+    return list(zip(start_ranks(args, world_size, outputs), outputs))
 
 
 def wait_for(path_or_file, text, procs, limit=180):
@@ -357,7 +310,7 @@ def wait_for(path_or_file, text, procs, limit=180):
 def test_dead_or_hung_rank_stops_the_other(data, tmp_path, victim, sig):
     """SIGKILL: the survivor's next collective fails at once. SIGSTOP (a hang): the survivor's collective
     times out after --dist_timeout. Either way it exits non-zero, well within 60 s, saying why."""
-    procs = start_ranks(data, tmp_path / "log", 2, "--dist_timeout", "10")
+    procs = ranks_by_hand(data, tmp_path / "log", 2, "--dist_timeout", "10")
     try:
         wait_for(procs[0][1], "step     1 |", procs)
         os.kill(procs[victim][0].pid, sig)

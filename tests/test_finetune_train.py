@@ -11,8 +11,7 @@ from torch.nn import functional as F
 
 import dataloader
 import finetune
-import train_gpt2
-from conftest import TINY_MODEL, read_log, run_train
+from conftest import TINY_MODEL, TORCHRUN, clean_env, final_weights_diff, read_log, run_launched, run_train
 from dataloader import IGNORE, Packed, TaskLoader, pack, pick_targets
 from plumbing import fused_loss
 from plumbing.fused_loss import lm_head_loss
@@ -213,15 +212,6 @@ def task_run_args(data_dir, log_dir, *extra):
             "--keep_checkpoints", "0", "--task_examples", "4", "--dtype", "fp32", "--threads", "1", *extra]
 
 
-def final_weights(log_dir):
-    return train_gpt2.load_model(train_gpt2.list_checkpoints(str(log_dir))[-1])[0].state_dict()
-
-
-def assert_close_weights(a, b, atol):
-    worst = max((a[k] - b[k]).abs().max().item() for k in a)
-    assert worst <= atol, f"weights differ by {worst:.2e}"
-
-
 def test_task_loader_serves_every_example_once_per_epoch_with_its_targets(task):
     loader = TaskLoader(task, "train", 2, 64, seed=5)
     tokens, targets, examples = dataloader.open_split(task, "train")
@@ -253,7 +243,7 @@ def test_accumulation_and_batch_size_do_not_change_the_step(task, tmp_path):
     ref, got = read_log(one, "train"), read_log(four, "train")
     assert max(abs(ref[s] - got[s]) for s in ref) < 1e-5
     assert read_log(one, "val") == read_log(four, "val")  # val: every example, whatever the batch
-    assert_close_weights(final_weights(one), final_weights(four), 1e-5)
+    assert final_weights_diff(one, four) <= 1e-5
     assert set(read_log(one, "task")) == {0, 2, 4}
 
 
@@ -272,9 +262,9 @@ def test_resume_in_the_middle_of_an_epoch_is_exact(task, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.xdist_group("multiprocess")
 def test_two_ranks_and_sharded_equal_one_process(task, tmp_path):
     """2 rows per step: 2 micro-steps on 1 process, 1 on each of 2 ranks (DDP), and the same sharded (FSDP2)."""
-    from test_distributed import TORCHRUN, clean_env, run_launched
     equal = ["--batch_size", "1", "--total_batch_size", "128"]
     single = tmp_path / "single"
     run_train(task_run_args(task, single, *equal), env=clean_env())
@@ -289,7 +279,7 @@ def test_two_ranks_and_sharded_equal_one_process(task, tmp_path):
         assert max(abs(ref[s] - got[s]) for s in ref) <= 1e-5
         assert all(abs(a - b) <= 1e-4 for a, b in zip(read_log(single, "val").values(), read_log(other, "val").values()))
         assert read_log(single, "task") == read_log(other, "task")
-        assert_close_weights(final_weights(single), final_weights(other), 1e-5)
+        assert final_weights_diff(single, other) <= 1e-5
 
 
 def test_the_offline_demo_learns_its_task(tmp_path):

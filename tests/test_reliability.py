@@ -16,7 +16,7 @@ import torch
 
 from plumbing import checkpoints
 import train_gpt2
-from conftest import REPO, make_shards, read_log, run_train, tiny_run_args
+from conftest import REPO, make_shards, read_log, run_train, start_ranks, tiny_run_args
 
 # 32 micro-steps of the tiny model per optimizer step: a few tenths of a second, long enough to signal
 # a run in the middle of its steps without any test hook in the trainer
@@ -88,14 +88,7 @@ def test_signal_saves_and_resume_equals_uninterrupted(data, reference, tmp_path,
 
 def by_hand(data, log, world_size, *extra):
     """world_size ranks started by hand with torchrun's variables, as srun starts Slurm's tasks."""
-    from test_distributed import clean_env, free_port
-    port, procs = free_port(), []
-    for rank in range(world_size):
-        env = clean_env(RANK=rank, WORLD_SIZE=world_size, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world_size,
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        cmd = [sys.executable, os.path.join(REPO, "train_gpt2.py"), *map(str, tiny_run_args(data, log, *SLOW, *extra))]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return procs
+    return start_ranks(tiny_run_args(data, log, *SLOW, *extra), world_size)
 
 
 def finish(procs):
@@ -103,6 +96,7 @@ def finish(procs):
     return [p.returncode for p in procs], results
 
 
+@pytest.mark.xdist_group("multiprocess")
 def test_sigterm_to_every_rank_then_resume_equals_uninterrupted_two_ranks(data, tmp_path):
     ref = tmp_path / "ref"
     codes, ref_results = finish(by_hand(data, ref, 2))
@@ -275,6 +269,7 @@ def test_padding_ids_train_with_a_warning(tmp_path):
 
 # ----------------------------------------------------------------------------- the log folder
 
+@pytest.mark.xdist_group("multiprocess")
 def test_second_run_in_a_folder_is_refused(data, tmp_path):
     log = tmp_path / "log"
     first = start(tiny_run_args(data, log, "--max_steps", "100000", "--eval_interval", "0"))
@@ -341,6 +336,7 @@ def test_resume_with_no_checkpoint_yet_starts_the_run(data, tmp_path):
 
 # ----------------------------------------------------------------------------- the same numbers in every process
 
+@pytest.mark.xdist_group("multiprocess")
 def test_resume_gives_the_same_loss_in_every_process_beside_a_cpu_load(data, tmp_path):
     """oneMKL picks each vector-math kernel at its first call, and when several threads make that call
     at once one of them can compute its chunk with a low-accuracy kernel (pytorch/pytorch#188792): the
