@@ -501,29 +501,21 @@ def test_sharded_finetune_from_pretrained_equals_ddp(data, tmp_path):
     assert final_weights_diff(tmp_path / "ddp", tmp_path / "sharded") <= TOL
 
 
+def add_a_half_written_save(log_dir):
+    """The folder a sharded save leaves when killed half-way (model_00005.dcp.tmp), which must never be used."""
+    os.makedirs(log_dir / "model_00005.dcp.tmp")
+    (log_dir / "model_00005.dcp.tmp" / "__0_0.distcp").write_bytes(b"half")
+
+
 def stopped_after_step_3(run_dir, tmp_path):
-    """A copy of a finished run's folder as a run killed after its step-3 checkpoint leaves it, plus the
-    folder a sharded save leaves when killed half-way (model_00005.dcp.tmp), which must never be used."""
+    """A copy of a finished run's folder as a run killed after its step-3 checkpoint leaves it, with a half-written
+    sharded save in it too."""
     copy = tmp_path / "log"
     shutil.copytree(run_dir, copy)
     for f in train_gpt2.list_checkpoints(str(copy))[1:]:
         shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)
-    os.makedirs(copy / "model_00005.dcp.tmp")
-    (copy / "model_00005.dcp.tmp" / "__0_0.distcp").write_bytes(b"half")
+    add_a_half_written_save(copy)
     return copy
-
-
-def test_sharded_resume_on_two_ranks_and_on_one(single, two_ranks_sharded, tmp_path):
-    log_dir = stopped_after_step_3(two_ranks_sharded[0], tmp_path / "two")
-    proc = run_launched(["--resume", "--log_dir", log_dir], TORCHRUN, clean_env())
-    assert "resumed from" in proc.stdout and "model_00003.dcp at step 3" in proc.stdout
-    assert read_log(log_dir, "train") == read_log(two_ranks_sharded[0], "train")  # same ranks: bitwise
-    assert printed_digest(proc.stdout, 2) == printed_digest(two_ranks_sharded[1].stdout, 2)
-    log_dir = stopped_after_step_3(two_ranks_sharded[0], tmp_path / "one")
-    proc = run_train(["--resume", "--log_dir", log_dir], env=clean_env(), timeout=LIMIT)
-    assert "--shard full: with one rank there is nothing to split" in proc.stdout
-    assert_same_run(single[0], log_dir)
-    assert final_weights_diff(single[0], log_dir) <= TOL
 
 
 def parent_pid(pid):
@@ -534,9 +526,10 @@ def parent_pid(pid):
         return None
 
 
-def test_sharded_run_killed_with_sigkill_resumes_exactly(data, single, two_ranks_sharded, tmp_path):
-    """A real kill -9 of both ranks of a sharded run once it has trained past its step-3 checkpoint
-    (wherever the kill lands: a save may be half-written), resumed on 2 ranks and, from a copy, on 1."""
+def test_sharded_run_killed_with_sigkill_resumes_on_two_ranks_and_on_one(data, single, two_ranks_sharded, tmp_path):
+    """A real kill -9 of both ranks of a sharded run once it has trained past its step-3 checkpoint (wherever the kill
+    lands: a save may be half-written; one, model_00005.dcp.tmp, is added for certain), resumed on 2 ranks (bitwise)
+    and, from a copy, on 1 (the same run as one process's)."""
     log_dir = tmp_path / "two" / "log"
     cmd = [*TORCHRUN, os.path.join(REPO, "train_gpt2.py"), *map(str, tiny_run_args(data, log_dir, *EQUAL, "--shard", "full"))]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env(),
@@ -553,14 +546,17 @@ def test_sharded_run_killed_with_sigkill_resumes_exactly(data, single, two_ranks
         proc.wait()
     assert len(ranks) == 2
     assert os.path.isdir(log_dir / "model_00003.dcp") and not os.path.isdir(log_dir / "model_00006.dcp")
+    add_a_half_written_save(log_dir)
     shutil.copytree(log_dir, tmp_path / "one" / "log")
     proc = run_launched(["--resume", "--log_dir", log_dir], TORCHRUN, clean_env())
-    assert "model_00003.dcp at step 3" in proc.stdout, proc.stdout.splitlines()[:12]
+    assert "resumed from" in proc.stdout and "model_00003.dcp at step 3" in proc.stdout, proc.stdout.splitlines()[:12]
     assert read_log(log_dir, "train") == read_log(two_ranks_sharded[0], "train")  # same ranks: bitwise
     assert printed_digest(proc.stdout, 2) == printed_digest(two_ranks_sharded[1].stdout, 2)
     proc = run_train(["--resume", "--log_dir", tmp_path / "one" / "log"], env=clean_env(), timeout=LIMIT)
     assert "model_00003.dcp at step 3" in proc.stdout
+    assert "--shard full: with one rank there is nothing to split" in proc.stdout
     assert_same_run(single[0], tmp_path / "one" / "log")
+    assert final_weights_diff(single[0], tmp_path / "one" / "log") <= TOL
 
 
 def test_ddp_checkpoint_resumed_sharded(single, two_ranks, tmp_path):
