@@ -4,6 +4,7 @@ exactly the same numbers in every process (docs/reliability.md)."""
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +34,20 @@ def reference(data, tmp_path_factory):
     """The uninterrupted run every interrupted one is compared with."""
     log = tmp_path_factory.mktemp("ref") / "log"
     return log, run_train(tiny_run_args(data, log, *SLOW)).stdout
+
+
+@pytest.fixture(scope="module")
+def three_steps(data, tmp_path_factory):
+    """A 3-step run with its checkpoint at step 3, which tests copy and then damage or edit."""
+    log = tmp_path_factory.mktemp("three_steps") / "log"
+    run_train(tiny_run_args(data, log, "--max_steps", "3", "--eval_interval", "0"))
+    return log
+
+
+def copy_of(run, tmp_path):
+    log = tmp_path / "log"
+    shutil.copytree(run, log)
+    return log
 
 
 def digest(stdout):
@@ -187,9 +202,8 @@ def rewrite(path, new_path, **changes):
     torch.save(ckpt, new_path)
 
 
-def test_resume_past_step_100000_prunes_and_picks_the_newest(data, tmp_path):
-    log = tmp_path / "log"
-    run_train(tiny_run_args(data, log, "--max_steps", "3", "--eval_interval", "0"))
+def test_resume_past_step_100000_prunes_and_picks_the_newest(data, three_steps, tmp_path):
+    log = copy_of(three_steps, tmp_path)
     rewrite(log / "model_00003.pt", log / "model_99998.pt", step=99_998)
     os.remove(log / "model_00003.pt")
     def resume(max_steps):
@@ -216,9 +230,8 @@ def flip_tensor_byte(path):
         f.write(bytes([byte ^ 0x10]))
 
 
-def test_a_flipped_bit_in_tensor_data_is_refused(data, tmp_path):
-    log = tmp_path / "log"
-    run_train(tiny_run_args(data, log, "--max_steps", "3", "--eval_interval", "0"))
+def test_a_flipped_bit_in_tensor_data_is_refused(data, three_steps, tmp_path):
+    log = copy_of(three_steps, tmp_path)
     path = log / "model_00003.pt"
     torch.load(path, weights_only=True)  # torch itself reads the damaged file without complaint: see below
     flip_tensor_byte(path)
@@ -232,9 +245,8 @@ def test_a_flipped_bit_in_tensor_data_is_refused(data, tmp_path):
                             last), last
 
 
-def test_checkpoints_without_checksums_still_load(data, tmp_path):
-    log = tmp_path / "log"
-    run_train(tiny_run_args(data, log, "--max_steps", "3", "--eval_interval", "0"))
+def test_checkpoints_without_checksums_still_load(three_steps, tmp_path):
+    log = copy_of(three_steps, tmp_path)
     ckpt = torch.load(log / "model_00003.pt", weights_only=True)
     del ckpt["checksums"]  # as written before checksums existed
     torch.save(ckpt, log / "model_00003.pt")
