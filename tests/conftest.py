@@ -23,7 +23,13 @@ os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 def pytest_configure(config):
     """Under xdist (pytest.ini: -n 2, one worker per core of a 2-core host) every worker computes on one torch
     thread: two threads each would have the workers' OpenMP threads fight over the cores. (Subprocesses keep
-    their own settings: the tests give them --threads and OMP_NUM_THREADS.)"""
+    their own settings: the tests give them --threads and OMP_NUM_THREADS.)
+
+    And Ctrl-C is taken back where it is ignored: a script that starts the tests in the background (`pytest &`,
+    without job control) has them ignore SIGINT, and every process they start inherits that, so the tests that
+    stop a run with SIGINT, as Ctrl-C does, would see it carry on."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
         torch.set_num_threads(1)
