@@ -80,6 +80,7 @@ def assert_same_as_reference(reference, log, stdout):
 
 # ----------------------------------------------------------------------------- signals
 
+@pytest.mark.xdist_group("reliability-reference")  # both on one worker, which builds `reference` (20 s) once
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_saves_and_resume_equals_uninterrupted(data, reference, tmp_path, sig):
     log = tmp_path / "log"
