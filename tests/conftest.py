@@ -1,7 +1,10 @@
-"""Helpers shared by the tests: tiny token shards, running train_gpt2.py as a user would, one torch
-thread for tiny models, and a few HellaSwag examples."""
+"""Helpers shared by the tests: tiny token shards, running train_gpt2.py as a user would (alone, or several
+processes at once), comparing two runs' final weights, one torch thread for tiny models, a few HellaSwag examples,
+tiny models that answer and fine-tuned checkpoints made by hand; and the xdist set-up (pytest.ini, docs/tests.md)."""
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 
@@ -15,6 +18,36 @@ sys.path.insert(0, REPO)
 # time than it saves: make it a no-op here and in every subprocess (they inherit the environment).
 # tests/test_perf.py turns it back on where compilation is what it tests.
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+
+
+def pytest_configure(config):
+    """Under xdist (pytest.ini: -n 2, one worker per core of a 2-core host) every worker computes on one torch
+    thread: two threads each would have the workers' OpenMP threads fight over the cores. (Subprocesses keep
+    their own settings: the tests give them --threads and OMP_NUM_THREADS.)
+
+    And Ctrl-C is taken back where it is ignored: a script that starts the tests in the background (`pytest &`,
+    without job control) has them ignore SIGINT, and every process they start inherits that, so the tests that
+    stop a run with SIGINT, as Ctrl-C does, would see it carry on."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+        torch.set_num_threads(1)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Say so when the xdist_group marks are lost: pytest-xdist 3.8 passes a test's group on by appending it to the
+    test's node id, which pytest 9.2 no longer lets it change (pytest-dev/pytest-xdist#1386). The tests then run
+    side by side, the multi-process ones too, fighting over the cores, and module fixtures are built twice."""
+    if getattr(config.option, "loadgroup", False):
+        lost = [item.nodeid for item in items if any(item.iter_markers("xdist_group")) and "@" not in item.nodeid]
+        if lost:
+            import warnings
+            warnings.warn(pytest.PytestConfigWarning(
+                f"the xdist_group marks are ignored ({lost[0]} has no @group): this pytest-xdist does not work with "
+                f"pytest {pytest.__version__}; pip install -r requirements-dev.txt (pytest<9.2)"))
+
 
 # a model small enough that a CPU trains it in a fraction of a second per step
 TINY_MODEL = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "64"]
@@ -60,6 +93,75 @@ def read_log(log_dir, kind):
             if k == kind:
                 out[int(step)] = float(value)
     return out
+
+
+def final_weights(log_dir):
+    """A run's final weights, from its last checkpoint (one file, or a sharded folder: load_model reads either)."""
+    import train_gpt2
+    return train_gpt2.load_model(train_gpt2.list_checkpoints(str(log_dir))[-1])[0].state_dict()
+
+
+def final_weights_diff(log_a, log_b):
+    """The largest difference between two runs' final weights (0.0: bitwise equal)."""
+    a, b = final_weights(log_a), final_weights(log_b)
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+# Several processes at once: launchers, ranks started by hand. Every test that runs more than one process that
+# computes (or loads the CPU on purpose) is marked @pytest.mark.xdist_group("multiprocess") (docs/tests.md).
+
+LIMIT = 300  # seconds any one launched run may take before it counts as hung (a run takes 10-30)
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def clean_env(**extra):
+    """This environment without any launcher's variables (as if typed in a fresh shell), plus extra."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCH_VARS and not k.startswith(("OMPI_", "PMI_", "MPI_LOCAL", "SLURM_", "PMIX_"))}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def free_port():
+    """A TCP port free on 127.0.0.1 right now, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_launched(args, launcher, env, check=True):
+    """Like run_train, for launchers that start the ranks as their children (torchrun, mpirun): in a session of
+    its own, so that a hung run is killed whole, ranks included, after LIMIT seconds."""
+    cmd = [*launcher, os.path.join(REPO, "train_gpt2.py"), *map(str, args)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=LIMIT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} still running after {LIMIT}s:\n{out}\n{err}")
+    done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out}\n{err}")
+    return done
+
+
+def start_ranks(args, world_size, outputs=None):
+    """world_size train_gpt2.py processes started by hand with torchrun's variables, as srun starts Slurm's
+    tasks; rank r's stdout and stderr go to the file outputs[r], or to pipes when outputs is None."""
+    port, procs = free_port(), []
+    for rank in range(world_size):
+        env = clean_env(RANK=rank, WORLD_SIZE=world_size, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world_size,
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        streams = (dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE) if outputs is None
+                   else dict(stdout=outputs[rank], stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen([sys.executable, os.path.join(REPO, "train_gpt2.py"), *map(str, args)],
+                                      env=env, cwd=REPO, text=True, **streams))
+    return procs
 
 
 @pytest.fixture
@@ -178,6 +280,17 @@ def save_task_checkpoint(path, model, task):
     from dataclasses import asdict
     torch.save({"config": asdict(model.config), "model": model.state_dict(), "step": 5, "task": task}, path)
     return str(path)
+
+
+def checkpoints_of_each_kind(folder, model):
+    """model's weights saved as a plain language model's checkpoint and as checkpoints fine-tuned on prompt/completion
+    and on chat data: (plain, completion, chat) paths, for the error lines each kind gets."""
+    import torch
+    from dataclasses import asdict
+    plain = os.path.join(folder, "plain.pt")
+    torch.save({"config": asdict(model.config), "model": model.state_dict()}, plain)
+    return (plain, save_task_checkpoint(os.path.join(folder, "qa.pt"), model, task_of("prompt_completion")),
+            save_task_checkpoint(os.path.join(folder, "chat.pt"), model, task_of("chat")))
 
 
 def record_prompts(monkeypatch, module, name):

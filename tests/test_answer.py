@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import asdict
 
 import pytest
 import torch
@@ -19,8 +18,8 @@ import finetune
 import tasks
 import tokenizer
 import train_gpt2
-from conftest import (REPO, TINY_MODEL, greedy_reference, record_prompts, run_train, save_task_checkpoint, say_eot_at,
-                      task_of, varied_model)
+from conftest import (REPO, TINY_MODEL, checkpoints_of_each_kind, greedy_reference, record_prompts, run_train,
+                      save_task_checkpoint, say_eot_at, task_of, varied_model)
 from test_finetune import prepare, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -219,6 +218,7 @@ torch.distributed.destroy_process_group()
 """
 
 
+@pytest.mark.xdist_group("multiprocess")
 def test_task_accuracy_on_two_ranks_splits_the_examples_and_sums_the_counts(tmp_path):
     script = tmp_path / "ranks.py"
     script.write_text(RANK_SCRIPT.format(repo=REPO, tests=os.path.dirname(os.path.abspath(__file__)),
@@ -339,10 +339,7 @@ def test_a_mixed_task_with_chat_data_chats(capsys, monkeypatch, tmp_path):
 
 def test_bad_use_is_one_line(capsys, monkeypatch, tmp_path):
     model = varied_model(BLOCK)
-    plain = tmp_path / "plain.pt"
-    torch.save({"config": asdict(model.config), "model": model.state_dict()}, plain)
-    completion = save_task_checkpoint(tmp_path / "qa.pt", model, task_of("prompt_completion"))
-    chat = save_task_checkpoint(tmp_path / "chat.pt", model, task_of("chat"))
+    plain, completion, chat = checkpoints_of_each_kind(tmp_path, model)
     for argv, message in [
         (["--ckpt_path", plain, "--chat"],
          f"error: --chat needs a model fine-tuned on chat data (messages); {plain} is a plain language model: "

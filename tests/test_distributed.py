@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,8 @@ import torch
 
 import train_gpt2
 from plumbing import checkpoints
-from conftest import REPO, make_shards, read_log, run_train, tiny_run_args
+from conftest import (LIMIT, REPO, TORCHRUN, clean_env, final_weights_diff, free_port, make_shards, read_log,
+                      run_launched, run_train, start_ranks, tiny_run_args)
 
 from plumbing.world import choose_backend, detect_launch
 from plumbing.cpu import cpu_list, physical_cores, ranks_sharing_cpus
@@ -34,10 +34,10 @@ from dataloader import DataLoader
 FAKE_CCL = os.path.join(REPO, "tests", "fake_ccl")
 EQUAL = ["--batch_size", "2", "--total_batch_size", "384"]  # 6, 3 or 2 micro-steps on 1, 2 or 3 ranks
 TOL = 1e-5
-LIMIT = 300  # seconds any one run may take here before it counts as hung (a run takes 10-30)
-TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-               "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+
+# launchers and ranks: the whole file runs on one xdist worker, one test at a time (docs/tests.md), which also
+# builds the runs the tests share (single, two_ranks, two_ranks_sharded) once
+pytestmark = pytest.mark.xdist_group("multiprocess")
 
 
 def need(available, what):
@@ -46,39 +46,6 @@ def need(available, what):
         if os.environ.get("CI") == "true":
             pytest.fail(f"{what} is missing in CI: .ci/install-system should have installed it")
         pytest.skip(f"{what} is not available here")
-
-
-def clean_env(**extra):
-    """This environment without any launcher's variables (as if typed in a fresh shell), plus extra."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in LAUNCH_VARS and not k.startswith(("OMPI_", "PMI_", "MPI_LOCAL", "SLURM_", "PMIX_"))}
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_launched(args, launcher, env, check=True):
-    """Like conftest.run_train, for launchers that start the ranks as their children (torchrun, mpirun):
-    in a session of its own, so that a hung run is killed whole, ranks included, after LIMIT seconds."""
-    cmd = [*launcher, os.path.join(REPO, "train_gpt2.py"), *map(str, args)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=LIMIT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"{' '.join(cmd)} still running after {LIMIT}s:\n{out}\n{err}")
-    done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out}\n{err}")
-    return done
 
 
 def weights_digest(state):
@@ -98,13 +65,6 @@ def checkpoint_val(log_dir, step):
     run's checkpoint is a folder (model_XXXXX.dcp)."""
     path = next(f for f in train_gpt2.list_checkpoints(str(log_dir)) if checkpoints.checkpoint_step(f) == step)
     return train_gpt2.load_checkpoint(path)["val_loss"]
-
-
-def final_weights_diff(log_a, log_b):
-    """The largest difference between the final weights of two runs, read from their last checkpoints
-    (one file, or a sharded folder: load_model reads either)."""
-    a, b = (train_gpt2.load_model(train_gpt2.list_checkpoints(str(d))[-1])[0].state_dict() for d in (log_a, log_b))
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def assert_same_run(ref_dir, dist_dir, tol=TOL):
@@ -324,19 +284,12 @@ def test_resume_two_ranks_equals_uninterrupted_with_ccl_backend(two_ranks, tmp_p
 # Failures: a dead or hung rank must not hold the others; a multi-host job needs MASTER_ADDR
 
 
-def start_ranks(data, log_dir, world_size, *extra):
-    """World_size processes started by hand with torchrun's variables, outputs in files."""
-    port = free_port()
-    procs = []
-    for rank in range(world_size):
-        out = open(os.path.join(os.path.dirname(log_dir), f"rank{rank}.out"), "w+")
-        env = clean_env(RANK=rank, WORLD_SIZE=world_size, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world_size,
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        cmd = [sys.executable, os.path.join(REPO, "train_gpt2.py"),
-               *map(str, tiny_run_args(data, log_dir, *EQUAL, "--max_steps", "100000", "--eval_interval", "0",
-                                       "--checkpoint_interval", "100000", *extra))]
-        procs.append((subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO), out))
-    return procs
+def ranks_by_hand(data, log_dir, world_size, *extra):
+    """world_size ranks started by hand with torchrun's variables, training until stopped, outputs in files."""
+    outputs = [open(os.path.join(os.path.dirname(log_dir), f"rank{rank}.out"), "w+") for rank in range(world_size)]
+    args = tiny_run_args(data, log_dir, *EQUAL, "--max_steps", "100000", "--eval_interval", "0",
+                         "--checkpoint_interval", "100000", *extra)
+    return list(zip(start_ranks(args, world_size, outputs), outputs))
 
 
 def wait_for(path_or_file, text, procs, limit=180):
@@ -357,7 +310,7 @@ def wait_for(path_or_file, text, procs, limit=180):
 def test_dead_or_hung_rank_stops_the_other(data, tmp_path, victim, sig):
     """SIGKILL: the survivor's next collective fails at once. SIGSTOP (a hang): the survivor's collective
     times out after --dist_timeout. Either way it exits non-zero, well within 60 s, saying why."""
-    procs = start_ranks(data, tmp_path / "log", 2, "--dist_timeout", "10")
+    procs = ranks_by_hand(data, tmp_path / "log", 2, "--dist_timeout", "10")
     try:
         wait_for(procs[0][1], "step     1 |", procs)
         os.kill(procs[victim][0].pid, sig)
@@ -548,29 +501,21 @@ def test_sharded_finetune_from_pretrained_equals_ddp(data, tmp_path):
     assert final_weights_diff(tmp_path / "ddp", tmp_path / "sharded") <= TOL
 
 
+def add_a_half_written_save(log_dir):
+    """The folder a sharded save leaves when killed half-way (model_00005.dcp.tmp), which must never be used."""
+    os.makedirs(log_dir / "model_00005.dcp.tmp")
+    (log_dir / "model_00005.dcp.tmp" / "__0_0.distcp").write_bytes(b"half")
+
+
 def stopped_after_step_3(run_dir, tmp_path):
-    """A copy of a finished run's folder as a run killed after its step-3 checkpoint leaves it, plus the
-    folder a sharded save leaves when killed half-way (model_00005.dcp.tmp), which must never be used."""
+    """A copy of a finished run's folder as a run killed after its step-3 checkpoint leaves it, with a half-written
+    sharded save in it too."""
     copy = tmp_path / "log"
     shutil.copytree(run_dir, copy)
     for f in train_gpt2.list_checkpoints(str(copy))[1:]:
         shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)
-    os.makedirs(copy / "model_00005.dcp.tmp")
-    (copy / "model_00005.dcp.tmp" / "__0_0.distcp").write_bytes(b"half")
+    add_a_half_written_save(copy)
     return copy
-
-
-def test_sharded_resume_on_two_ranks_and_on_one(single, two_ranks_sharded, tmp_path):
-    log_dir = stopped_after_step_3(two_ranks_sharded[0], tmp_path / "two")
-    proc = run_launched(["--resume", "--log_dir", log_dir], TORCHRUN, clean_env())
-    assert "resumed from" in proc.stdout and "model_00003.dcp at step 3" in proc.stdout
-    assert read_log(log_dir, "train") == read_log(two_ranks_sharded[0], "train")  # same ranks: bitwise
-    assert printed_digest(proc.stdout, 2) == printed_digest(two_ranks_sharded[1].stdout, 2)
-    log_dir = stopped_after_step_3(two_ranks_sharded[0], tmp_path / "one")
-    proc = run_train(["--resume", "--log_dir", log_dir], env=clean_env(), timeout=LIMIT)
-    assert "--shard full: with one rank there is nothing to split" in proc.stdout
-    assert_same_run(single[0], log_dir)
-    assert final_weights_diff(single[0], log_dir) <= TOL
 
 
 def parent_pid(pid):
@@ -581,9 +526,10 @@ def parent_pid(pid):
         return None
 
 
-def test_sharded_run_killed_with_sigkill_resumes_exactly(data, single, two_ranks_sharded, tmp_path):
-    """A real kill -9 of both ranks of a sharded run once it has trained past its step-3 checkpoint
-    (wherever the kill lands: a save may be half-written), resumed on 2 ranks and, from a copy, on 1."""
+def test_sharded_run_killed_with_sigkill_resumes_on_two_ranks_and_on_one(data, single, two_ranks_sharded, tmp_path):
+    """A real kill -9 of both ranks of a sharded run once it has trained past its step-3 checkpoint (wherever the kill
+    lands: a save may be half-written; one, model_00005.dcp.tmp, is added for certain), resumed on 2 ranks (bitwise)
+    and, from a copy, on 1 (the same run as one process's)."""
     log_dir = tmp_path / "two" / "log"
     cmd = [*TORCHRUN, os.path.join(REPO, "train_gpt2.py"), *map(str, tiny_run_args(data, log_dir, *EQUAL, "--shard", "full"))]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env(),
@@ -600,14 +546,17 @@ def test_sharded_run_killed_with_sigkill_resumes_exactly(data, single, two_ranks
         proc.wait()
     assert len(ranks) == 2
     assert os.path.isdir(log_dir / "model_00003.dcp") and not os.path.isdir(log_dir / "model_00006.dcp")
+    add_a_half_written_save(log_dir)
     shutil.copytree(log_dir, tmp_path / "one" / "log")
     proc = run_launched(["--resume", "--log_dir", log_dir], TORCHRUN, clean_env())
-    assert "model_00003.dcp at step 3" in proc.stdout, proc.stdout.splitlines()[:12]
+    assert "resumed from" in proc.stdout and "model_00003.dcp at step 3" in proc.stdout, proc.stdout.splitlines()[:12]
     assert read_log(log_dir, "train") == read_log(two_ranks_sharded[0], "train")  # same ranks: bitwise
     assert printed_digest(proc.stdout, 2) == printed_digest(two_ranks_sharded[1].stdout, 2)
     proc = run_train(["--resume", "--log_dir", tmp_path / "one" / "log"], env=clean_env(), timeout=LIMIT)
     assert "model_00003.dcp at step 3" in proc.stdout
+    assert "--shard full: with one rank there is nothing to split" in proc.stdout
     assert_same_run(single[0], tmp_path / "one" / "log")
+    assert final_weights_diff(single[0], tmp_path / "one" / "log") <= TOL
 
 
 def test_ddp_checkpoint_resumed_sharded(single, two_ranks, tmp_path):

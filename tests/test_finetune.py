@@ -426,7 +426,7 @@ def test_the_old_eval_form_names_the_new_command(tmp_path):
     assert str(e.value) == "error: --eval is answer.py's now: python answer.py --ckpt_path log/model_00300.pt --input val.jsonl"
 
 
-# --- the demo task ------------------------------------------------------------------------------
+# --- the demo task (finetune.py --demo itself, its wiring and training: tests/test_finetune_train.py) ---
 
 def test_demo_task_follows_its_rule_and_val_is_unseen(tmp_path):
     train, val = finetune.make_demo_task(str(tmp_path / "d"), n_train=300, n_val=40, seed=5)
@@ -437,19 +437,3 @@ def test_demo_task_follows_its_rule_and_val_is_unseen(tmp_path):
     assert not {r["prompt"] for r in rows["val"]} & {r["prompt"] for r in rows["train"]}
     again = finetune.make_demo_task(str(tmp_path / "e"), n_train=300, n_val=40, seed=5)
     assert [open(p, "rb").read() for p in again] == [open(p, "rb").read() for p in (train, val)]
-
-
-def test_demo_prepares_its_folder_trains_and_says_what_next(tmp_path, capsys, monkeypatch):
-    """The wiring only (2 steps): tests/test_finetune_train.py measures what the demo's training learns."""
-    monkeypatch.setattr(finetune, "DEMO_TRAIN_ARGS", {**finetune.DEMO_TRAIN_ARGS, "max_steps": 2, "eval_interval": 1,
-                                                      "task_examples": 4, "threads": 1})
-    out = tmp_path / "demo"
-    finetune.main(["--demo", "--output_dir", str(out)])
-    task = dataloader.read_task(str(out))
-    assert task["format"] == "prompt_completion" and task["dropped"] == {} and task["splits"]["val"]["examples"] > 0
-    printed = capsys.readouterr().out
-    assert f"training: python train_gpt2.py --data_dir {out} --log_dir {tmp_path / 'log_demo'}" in printed
-    assert "demo finished: task accuracy" in printed and "at step 2" in printed
-    assert f"python sample.py --ckpt_path {tmp_path / 'log_demo' / 'model_00002.pt'}" in printed
-    with pytest.raises(SystemExit, match="not empty"):
-        finetune.main(["--demo", "--output_dir", str(out)])

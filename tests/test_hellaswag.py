@@ -3,7 +3,6 @@ import functools
 import http.server
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -15,7 +14,7 @@ from torch.nn import functional as F
 
 import hellaswag
 import tokenizer
-from conftest import HELLASWAG_EXAMPLES, REPO, write_hellaswag
+from conftest import HELLASWAG_EXAMPLES, REPO, free_port, write_hellaswag
 from plumbing import cpu
 from train_gpt2 import GPT, GPTConfig
 
@@ -135,12 +134,7 @@ def _rank_worker(rank, world_size, port, out_dir):
         json.dump(r, f)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
+@pytest.mark.xdist_group("multiprocess")
 def test_two_ranks_equal_one(tmp_path):
     one = hellaswag.evaluate(tiny_model(2), EXAMPLES + [LONG], batch_size=2)
     mp.spawn(_rank_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)

@@ -14,8 +14,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, make_shards, read_log, run_train, tiny_run_args
-from test_distributed import TORCHRUN, clean_env, run_launched
+from conftest import LIMIT, REPO, TORCHRUN, clean_env, make_shards, read_log, run_launched, run_train, tiny_run_args
 
 HAVE_IPEX = importlib.util.find_spec("intel_extension_for_pytorch") is not None
 # a learnable task: tokens drawn from 64 ids, so the loss falls from ln(50304) = 10.8 towards ln(64) = 4.2
@@ -23,7 +22,6 @@ HAVE_IPEX = importlib.util.find_spec("intel_extension_for_pytorch") is not None
 BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 LEARN = ["--dtype", "bf16" if BF16 else "fp32", "--max_steps", "6", "--max_lr", "1e-2", "--min_lr", "1e-3", "--warmup_steps", "1"]
 REL_TOL = 1e-2
-LIMIT = 300  # seconds a run may take before it counts as hung (one takes 10-30)
 
 
 def close(a, b, rel=REL_TOL):
@@ -141,6 +139,7 @@ def test_state_dict_round_trip(data):
     assert fresh_opt.state_dict()["state"][0]["step"].item() == 2
 
 
+@pytest.mark.xdist_group("multiprocess")
 def test_ipex_with_two_ranks(data, runs, tmp_path):
     """IPEX under DDP (ipex.optimize before the DDP wrap): the ranks end identical, close to one process."""
     log_dir = tmp_path / "log"

@@ -15,7 +15,7 @@ from torch.nn import functional as F
 import export_hf
 import lora
 import train_gpt2
-from conftest import REPO, make_shards, read_log, run_train
+from conftest import REPO, TORCHRUN, clean_env, make_shards, read_log, run_launched, run_train
 from plumbing import sharding
 from train_gpt2 import GPT, GPTConfig
 
@@ -268,8 +268,8 @@ def test_resume_is_bit_exact_holds_only_adapters_and_loads_the_base_once(base, t
     assert ckpt["lora"]["base"]["name"] == base and len(ckpt["lora"]["base"]["sha256"]) == 64
 
 
+@pytest.mark.xdist_group("multiprocess")
 def test_two_ranks_and_sharded_equal_one_process(base, task, tmp_path):
-    from test_distributed import TORCHRUN, clean_env, run_launched
     run_train(lora_args(task, tmp_path / "one", base, "--total_batch_size", "256"))   # 2 accumulation steps
     for name, extra in (("ddp", []), ("fsdp", ["--shard", "full"])):
         run_launched(lora_args(task, tmp_path / name, base, "--total_batch_size", "256", *extra), TORCHRUN, clean_env())

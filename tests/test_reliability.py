@@ -4,6 +4,7 @@ exactly the same numbers in every process (docs/reliability.md)."""
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import torch
 
 from plumbing import checkpoints
 import train_gpt2
-from conftest import REPO, make_shards, read_log, run_train, tiny_run_args
+from conftest import REPO, make_shards, read_log, run_train, start_ranks, tiny_run_args
 
 # 32 micro-steps of the tiny model per optimizer step: a few tenths of a second, long enough to signal
 # a run in the middle of its steps without any test hook in the trainer
@@ -33,6 +34,20 @@ def reference(data, tmp_path_factory):
     """The uninterrupted run every interrupted one is compared with."""
     log = tmp_path_factory.mktemp("ref") / "log"
     return log, run_train(tiny_run_args(data, log, *SLOW)).stdout
+
+
+@pytest.fixture(scope="module")
+def three_steps(data, tmp_path_factory):
+    """A 3-step run with its checkpoint at step 3, which tests copy and then damage or edit."""
+    log = tmp_path_factory.mktemp("three_steps") / "log"
+    run_train(tiny_run_args(data, log, "--max_steps", "3", "--eval_interval", "0"))
+    return log
+
+
+def copy_of(run, tmp_path):
+    log = tmp_path / "log"
+    shutil.copytree(run, log)
+    return log
 
 
 def digest(stdout):
@@ -65,6 +80,7 @@ def assert_same_as_reference(reference, log, stdout):
 
 # ----------------------------------------------------------------------------- signals
 
+@pytest.mark.xdist_group("reliability-reference")  # both on one worker, which builds `reference` (20 s) once
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_saves_and_resume_equals_uninterrupted(data, reference, tmp_path, sig):
     log = tmp_path / "log"
@@ -88,14 +104,7 @@ def test_signal_saves_and_resume_equals_uninterrupted(data, reference, tmp_path,
 
 def by_hand(data, log, world_size, *extra):
     """world_size ranks started by hand with torchrun's variables, as srun starts Slurm's tasks."""
-    from test_distributed import clean_env, free_port
-    port, procs = free_port(), []
-    for rank in range(world_size):
-        env = clean_env(RANK=rank, WORLD_SIZE=world_size, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world_size,
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        cmd = [sys.executable, os.path.join(REPO, "train_gpt2.py"), *map(str, tiny_run_args(data, log, *SLOW, *extra))]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return procs
+    return start_ranks(tiny_run_args(data, log, *SLOW, *extra), world_size)
 
 
 def finish(procs):
@@ -103,6 +112,7 @@ def finish(procs):
     return [p.returncode for p in procs], results
 
 
+@pytest.mark.xdist_group("multiprocess")
 def test_sigterm_to_every_rank_then_resume_equals_uninterrupted_two_ranks(data, tmp_path):
     ref = tmp_path / "ref"
     codes, ref_results = finish(by_hand(data, ref, 2))
@@ -193,9 +203,8 @@ def rewrite(path, new_path, **changes):
     torch.save(ckpt, new_path)
 
 
-def test_resume_past_step_100000_prunes_and_picks_the_newest(data, tmp_path):
-    log = tmp_path / "log"
-    run_train(tiny_run_args(data, log, "--max_steps", "3", "--eval_interval", "0"))
+def test_resume_past_step_100000_prunes_and_picks_the_newest(data, three_steps, tmp_path):
+    log = copy_of(three_steps, tmp_path)
     rewrite(log / "model_00003.pt", log / "model_99998.pt", step=99_998)
     os.remove(log / "model_00003.pt")
     def resume(max_steps):
@@ -222,9 +231,8 @@ def flip_tensor_byte(path):
         f.write(bytes([byte ^ 0x10]))
 
 
-def test_a_flipped_bit_in_tensor_data_is_refused(data, tmp_path):
-    log = tmp_path / "log"
-    run_train(tiny_run_args(data, log, "--max_steps", "3", "--eval_interval", "0"))
+def test_a_flipped_bit_in_tensor_data_is_refused(data, three_steps, tmp_path):
+    log = copy_of(three_steps, tmp_path)
     path = log / "model_00003.pt"
     torch.load(path, weights_only=True)  # torch itself reads the damaged file without complaint: see below
     flip_tensor_byte(path)
@@ -238,9 +246,8 @@ def test_a_flipped_bit_in_tensor_data_is_refused(data, tmp_path):
                             last), last
 
 
-def test_checkpoints_without_checksums_still_load(data, tmp_path):
-    log = tmp_path / "log"
-    run_train(tiny_run_args(data, log, "--max_steps", "3", "--eval_interval", "0"))
+def test_checkpoints_without_checksums_still_load(three_steps, tmp_path):
+    log = copy_of(three_steps, tmp_path)
     ckpt = torch.load(log / "model_00003.pt", weights_only=True)
     del ckpt["checksums"]  # as written before checksums existed
     torch.save(ckpt, log / "model_00003.pt")
@@ -275,6 +282,7 @@ def test_padding_ids_train_with_a_warning(tmp_path):
 
 # ----------------------------------------------------------------------------- the log folder
 
+@pytest.mark.xdist_group("multiprocess")
 def test_second_run_in_a_folder_is_refused(data, tmp_path):
     log = tmp_path / "log"
     first = start(tiny_run_args(data, log, "--max_steps", "100000", "--eval_interval", "0"))
@@ -341,6 +349,7 @@ def test_resume_with_no_checkpoint_yet_starts_the_run(data, tmp_path):
 
 # ----------------------------------------------------------------------------- the same numbers in every process
 
+@pytest.mark.xdist_group("multiprocess")
 def test_resume_gives_the_same_loss_in_every_process_beside_a_cpu_load(data, tmp_path):
     """oneMKL picks each vector-math kernel at its first call, and when several threads make that call
     at once one of them can compute its chunk with a low-accuracy kernel (pytorch/pytorch#188792): the

@@ -3,7 +3,6 @@ answer to --prompt, rendered with the template in its checkpoint (written out he
 import os
 import subprocess
 import sys
-from dataclasses import asdict
 
 import pytest
 import torch
@@ -14,8 +13,8 @@ import tasks
 import tokenizer
 import train_gpt2
 from train_gpt2 import GPT
-from conftest import (REPO, greedy_reference, make_shards, record_prompts, run_train, save_task_checkpoint, say_eot_at,
-                      task_of, tiny_run_args, varied_model)
+from conftest import (REPO, checkpoints_of_each_kind, greedy_reference, make_shards, record_prompts, run_train,
+                      save_task_checkpoint, say_eot_at, task_of, tiny_run_args, varied_model)
 from plumbing import cpu, speedups
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -240,10 +239,7 @@ def test_the_template_is_the_checkpoints(capsys, monkeypatch, tmp_path):
 
 def test_bad_use_is_one_line(capsys, tmp_path):
     model = varied_model(BLOCK)
-    plain = tmp_path / "plain.pt"
-    torch.save({"config": asdict(model.config), "model": model.state_dict()}, plain)
-    completion = save_task_checkpoint(tmp_path / "qa.pt", model, task_of("prompt_completion"))
-    chat = save_task_checkpoint(tmp_path / "chat.pt", model, task_of("chat"))
+    plain, completion, chat = checkpoints_of_each_kind(tmp_path, model)
     for argv, message in [
         (["--ckpt_path", completion, "--prompt", "hi", "--system", "Be brief."],
          f"error: --system needs a model fine-tuned on chat data (messages); {completion} is fine-tuned on "

@@ -1,4 +1,5 @@
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -87,17 +88,29 @@ def test_val_tokens_do_not_depend_on_batch_or_world(shards):
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def test_checkpoint_loads_with_weights_only(tmp_path, shards):
-    run_train(tiny_run_args(shards, tmp_path / "log"))
-    assert sorted(os.listdir(tmp_path / "log")) == ["args.json", "lock", "log.txt", "model_00003.pt", "model_00006.pt"]
-    ckpt = torch.load(tmp_path / "log" / "model_00006.pt", weights_only=True)
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_shards(tmp_path_factory.mktemp("data") / "data")
+
+
+@pytest.fixture(scope="module")
+def finished(data, tmp_path_factory):
+    """One plain run of tiny_run_args (6 steps, checkpoints at 3 and 6): several tests read it, none writes to it."""
+    log = tmp_path_factory.mktemp("finished") / "log"
+    run_train(tiny_run_args(data, log))
+    return log
+
+
+def test_checkpoint_loads_with_weights_only(finished):
+    assert sorted(os.listdir(finished)) == ["args.json", "lock", "log.txt", "model_00003.pt", "model_00006.pt"]
+    ckpt = torch.load(finished / "model_00006.pt", weights_only=True)
     assert ckpt["step"] == 6 and ckpt["config"]["n_layer"] == 2
     assert ckpt["args"]["total_batch_size"] == 256 and ckpt["loader"]["seed"] == 1337
     assert isinstance(ckpt["val_loss"], float) and "torch" in ckpt["rng"]
     model = train_gpt2.GPT(train_gpt2.GPTConfig(**ckpt["config"]))
     model.load_state_dict(ckpt["model"])
     assert len(ckpt["optimizer"]["state"]) == len(list(model.parameters()))
-    log = read_log(tmp_path / "log", "val")
+    log = read_log(finished, "val")
     assert abs(log[6] - ckpt["val_loss"]) < 1e-4
 
 
@@ -153,15 +166,14 @@ def test_killed_while_saving_leaves_no_truncated_checkpoint(tmp_path):
 
 # ----------------------------------------------------------------------------- exact resume
 
-def test_resume_is_exact(tmp_path, shards):
-    full = tmp_path / "full"
-    run_train(tiny_run_args(shards, full))
+def test_resume_is_exact(tmp_path, data, finished):
+    full = finished
     reference = read_log(full, "train")
     assert sorted(reference) == [0, 1, 2, 3, 4, 5]
 
     # kill -9 a second run after it has trained past its step-3 checkpoint, then resume it
     part = tmp_path / "part"
-    cmd = [sys.executable, os.path.join(REPO, "train_gpt2.py"), *tiny_run_args(shards, part)]
+    cmd = [sys.executable, os.path.join(REPO, "train_gpt2.py"), *tiny_run_args(data, part)]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
     for line in proc.stdout:
@@ -190,27 +202,26 @@ def test_resume_is_exact(tmp_path, shards):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_resume_from_a_given_file(tmp_path, shards):
-    run_train(tiny_run_args(shards, tmp_path / "a"))
-    out = run_train(tiny_run_args(shards, tmp_path / "b", "--max_steps", "8", "--resume",
-                                  tmp_path / "a" / "model_00006.pt")).stdout
+def test_resume_from_a_given_file(tmp_path, data, finished):
+    out = run_train(tiny_run_args(data, tmp_path / "b", "--max_steps", "8", "--resume",
+                                  finished / "model_00006.pt")).stdout
     assert "at step 6" in out
     assert sorted(read_log(tmp_path / "b", "train")) == [6, 7]
 
 
 # ----------------------------------------------------------------------------- refusing to destroy a run
 
-def test_existing_run_is_never_overwritten_silently(tmp_path, shards):
+def test_existing_run_is_never_overwritten_silently(tmp_path, data, finished):
     log = tmp_path / "log"
-    run_train(tiny_run_args(shards, log))
+    shutil.copytree(finished, log)  # a finished run in this folder
     with open(log / "log.txt") as f:
         original = f.read()
-    proc = run_train(tiny_run_args(shards, log), check=False)
+    proc = run_train(tiny_run_args(data, log), check=False)
     assert proc.returncode != 0
     assert "--resume" in proc.stderr and "--log_dir" in proc.stderr and "--overwrite" in proc.stderr
     with open(log / "log.txt") as f:
         assert f.read() == original
-    run_train(tiny_run_args(shards, log, "--overwrite", "--max_steps", "2", "--checkpoint_interval", "5"))
+    run_train(tiny_run_args(data, log, "--overwrite", "--max_steps", "2", "--checkpoint_interval", "5"))
     assert sorted(read_log(log, "train")) == [0, 1]
     assert sorted(f for f in os.listdir(log) if f.endswith(".pt")) == ["model_00002.pt"]
 
@@ -266,7 +277,7 @@ def test_bad_shards_are_named(tmp_path, content):
 def test_demo_runs_end_to_end(tmp_path):
     # the same path as `python train_gpt2.py` with no shards, shortened by flags
     out = run_train(["--log_dir", tmp_path / "log", "--max_steps", "3", "--eval_interval", "3",
-                     "--sample_interval", "3", "--val_tokens", "4096", "--threads", "2"],
+                     "--sample_interval", "3", "--val_tokens", "4096", "--threads", "1"],
                     env={"XDG_CACHE_HOME": str(tmp_path / "cache")}, cwd=tmp_path).stdout
     assert "running the demo" in out
     assert "sample 0: Hello, I'm a language model," in out
