@@ -1,7 +1,6 @@
 """
-Are our fine-tuning defaults any good? A small GPT trained from scratch on a task, two ways, on the same
-examples for the same epochs, and compared on what a user cares about: the masked val loss and the share of
-right answers.
+Are our fine-tuning defaults any good? A small GPT trained from scratch on a task, two ways, on the same examples
+for the same epochs, and compared on what a user cares about: the masked val loss and the share of right answers.
 
     python bench/compare_hf_finetune.py --train train.jsonl --val val.jsonl --epochs 3
     python bench/compare_hf_finetune.py --synthetic chat --epochs 3     # a made-up task (reverse, alpaca, chat)
@@ -9,34 +8,29 @@ right answers.
 ours  the commands a user runs: `finetune.py --input train.jsonl --val_input val.jsonl --output_dir D`, then
       `train_gpt2.py --data_dir D --epochs N --n_layer .. --n_head .. --n_embd .. --block_size .. --no-compile`
       with every fine-tuning default (train_args.finetuning_defaults: rows, examples a step, learning rate, warmup,
-      decay; train_gpt2.py prints them on its 'fine-tuning:' line). The bench adds only flags that change no
-      weight: --dtype and --threads (the same for both sides), --task_examples (every val example is scored),
-      --eval_interval (evaluations at the start and the end only: they cost time, not results) and
-      --checkpoint_interval 0. The val loss and accuracy are the last 'val' and 'task' lines of its log.txt.
-hf    an independent loop, written as a Hugging Face user would: transformers' GPT2LMHeadModel from scratch
-      (same shape, GPT-2's 50257 tokens, n_positions = our block size, GPT2Config's defaults otherwise, its
-      dropout of 0.1 included), the examples rendered by tasks.render (the same ids and target masks as
-      ours: checked against our task folder), labels -100 on the non-targets, batches of --hf_batch examples
-      padded to their longest with an attention_mask, reshuffled each epoch; AdamW (weight decay 0.01 on all
-      but biases and LayerNorms, as Trainer groups them), linear warmup over 10% of the steps then linear
-      decay to 0 (get_linear_schedule_with_warmup), gradient clipping at 1.0 (Trainer's max_grad_norm).
-      Val loss: the mean over every val target token (each example's padding masked out and unseen: causal
-      attention, right padding). Accuracy: transformers' generate, greedy (do_sample=False), stopping at
-      <|endoftext|> (eos_token_id=50256), max_new_tokens by answer.task_accuracy's rule and the context's end,
-      scored with answer.answer_key (exact match after whitespace normalization, or --answer_regex).
+      decay; printed on its 'fine-tuning:' line). The bench adds only flags that change no weight: --dtype and
+      --threads (as for hf), --task_examples (every val example is scored), --eval_interval (evaluations at the start
+      and the end only) and --checkpoint_interval 0. Its results: the last 'val' and 'task' lines of its log.txt.
+hf    an independent loop, written as a Hugging Face user would: transformers' GPT2LMHeadModel from scratch (same
+      shape, GPT-2's 50257 tokens, n_positions = our block size, GPT2Config's defaults otherwise, its dropout of 0.1
+      included), the examples rendered by tasks.render (the same ids and target masks as ours: checked against our
+      task folder), labels -100 on the non-targets, batches of --hf_batch examples padded on the right to their
+      longest with an attention_mask, reshuffled each epoch; AdamW (weight decay 0.01 on all but biases and
+      LayerNorms, as Trainer groups them), get_linear_schedule_with_warmup (10% of the steps), clipping at 1.0.
+      Val loss: the mean over every val target token. Accuracy: transformers' generate, greedy, stopping at
+      <|endoftext|>, max_new_tokens by answer.task_accuracy's rule and the context's end, scored with
+      answer.answer_key (exact match after whitespace normalization, or --answer_regex).
 
 Both run at the same time, each on --threads torch threads (1 by default: two processes on a 2-core machine;
---one_at_a_time runs ours first, then hf). Wall times are each side's whole run (ours: its process, startup and
-its two evaluations included; hf: training and its evaluation), and their training steps alone, on this CPU
-at this moment; the quality figures are what this bench is for.
-
+--one_at_a_time: ours, then hf). Wall times: each side's whole run (ours: its process, startup and its two
+evaluations included; hf: training and evaluation), and its training steps alone, on this CPU at this moment.
 To try another default: --set NAME=VALUE runs train_gpt2.py with that constant of train_args.py changed, as if
 edited (the fine-tuning defaults are EXAMPLES_PER_STEP, FINETUNE_LR, FINETUNE_ARGS: --set EXAMPLES_PER_STEP=16), and
 --our_flags adds flags (--our_flags '--max_lr 1e-3'); --only ours skips the HF loop, whose result does not depend on them.
+LoRA on a pretrained base, against peft: bench/compare_hf_lora.py runs this comparison.
 """
 import argparse
 import json
-import math
 import os
 import random
 import re
@@ -144,20 +138,15 @@ def finish_ours(process, work, log_dir, times):
     code = process.wait()
     while len(times) < 2:   # (the thread appends the end time just after wait returns)
         time.sleep(0.01)
-    wall = times[1] - times[0]
     with open(os.path.join(work, "ours.out")) as f:
         out = f.read()
     if code:
         raise SystemExit(f"error: train_gpt2.py failed (exit code {code}):\n{out[-3000:]}")
-    last = {}
     with open(os.path.join(log_dir, "log.txt")) as f:
-        for line in f:
-            step, kind, value = line.split()
-            last[kind] = (int(step), float(value))
+        last = {kind: float(value) for _, kind, value in map(str.split, f)}   # (each kind's last line)
     settings = re.search(r"^fine-tuning: .*$", out, re.M).group(0)
     train_s = sum(float(ms) for ms in re.findall(r"^step .*\| dt (\d+)ms", out, re.M)) / 1000
-    return {"val loss": last["val"][1], "accuracy": last["task"][1], "wall s": wall, "train s": train_s,
-            "settings": settings}
+    return {"val loss": last["val"], "accuracy": last["task"], "wall s": times[1] - times[0], "train s": train_s, "settings": settings}
 
 # -----------------------------------------------------------------------------
 # 3. Hugging Face: GPT2LMHeadModel on padded batches, as its users train it
@@ -185,41 +174,42 @@ def same_as_task_folder(examples, task_dir, split):
 
 def padded(batch):
     """Examples -> input_ids, attention_mask, labels, padded on the right to the batch's longest."""
-    longest = max(len(ids) for ids, _, _ in batch)
-    input_ids = torch.full((len(batch), longest), EOT)
-    labels = torch.full((len(batch), longest), -100)
-    mask = torch.zeros((len(batch), longest), dtype=torch.long)
+    shape = (len(batch), max(len(ids) for ids, _, _ in batch))
+    input_ids, labels, mask = torch.full(shape, EOT), torch.full(shape, -100), torch.zeros(shape, dtype=torch.long)
     for row, (ids, labs, _) in enumerate(batch):
         input_ids[row, :len(ids)], labels[row, :len(ids)], mask[row, :len(ids)] = torch.tensor(ids), torch.tensor(labs), 1
     return input_ids, mask, labels
 
-def hf_train(model, train, args, autocast):
-    """--epochs passes over train, shuffled each epoch; returns the seconds spent."""
-    from tqdm import tqdm
-    from transformers import get_linear_schedule_with_warmup
-    no_decay = lambda name: name.endswith("bias") or ".ln_" in name   # noqa: E731  (Trainer: biases, LayerNorms)
-    groups = [{"params": [p for n, p in model.named_parameters() if not no_decay(n)], "weight_decay": args.hf_weight_decay},
-              {"params": [p for n, p in model.named_parameters() if no_decay(n)], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=args.hf_lr, betas=(0.9, 0.999), eps=1e-8)
-    steps = args.epochs * math.ceil(len(train) / args.hf_batch)
-    schedule = get_linear_schedule_with_warmup(optimizer, round(args.hf_warmup * steps), steps)
+def hf_batches(args, n):
+    """Each step's examples (indices of n): --epochs passes, shuffled each epoch, --hf_batch at a time."""
     generator = torch.Generator().manual_seed(args.seed)
+    orders = [torch.randperm(n, generator=generator).tolist() for _ in range(args.epochs)]
+    return [order[i:i + args.hf_batch] for order in orders for i in range(0, n, args.hf_batch)]
+
+def hf_optimizer(model, lr, weight_decay, betas=(0.9, 0.999)):
+    """AdamW on what trains, weight decay on all but biases and LayerNorms (as Trainer groups them)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    no_decay = lambda name: name.endswith("bias") or ".ln_" in name   # noqa: E731
+    groups = [{"params": [p for n, p in named if not no_decay(n)], "weight_decay": weight_decay},
+              {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8)
+
+def hf_train(model, train, batches, optimizer, schedule, autocast, clip=1.0):
+    """A step on each of batches (indices into train), the loss the mean over its targets; returns the seconds spent."""
+    from tqdm import tqdm
     model.train()
     t0 = time.time()
-    with tqdm(total=steps, desc="hf training", unit="step", leave=False) as bar:
-        for epoch in range(args.epochs):
-            order = torch.randperm(len(train), generator=generator).tolist()
-            for i in range(0, len(order), args.hf_batch):
-                input_ids, mask, labels = padded([train[j] for j in order[i:i + args.hf_batch]])
-                with autocast:
-                    loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
-                schedule.step()
-                optimizer.zero_grad(set_to_none=True)
-                bar.set_postfix(loss=f"{loss.item():.3f}", epoch=epoch)
-                bar.update()
+    with tqdm(batches, desc="hf training", unit="step", leave=False) as bar:
+        for indices in bar:
+            input_ids, mask, labels = padded([train[j] for j in indices])
+            with autocast:
+                loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            bar.set_postfix(loss=f"{loss.item():.3f}")
     return time.time() - t0
 
 @torch.no_grad()
@@ -249,34 +239,36 @@ def hf_accuracy(model, val, n_positions, answer_regex, autocast):
         with autocast:
             out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                  do_sample=False, max_new_tokens=limit, eos_token_id=EOT, pad_token_id=EOT)
-        answer = out[0, len(prompt):].tolist()
-        answer = answer[:answer.index(EOT)] if EOT in answer else answer
-        key = answer_key(decode(answer), answer_regex)
+        answer = out[0, len(prompt):].tolist() + [EOT]   # (up to the first <|endoftext|>)
+        key = answer_key(decode(answer[:answer.index(EOT)]), answer_regex)
         right += key is not None and key == answer_key(expected, answer_regex)
     return right / len(val)
 
-def run_hf(args, train, val, block_size):
-    from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(args.seed)
-    config = GPT2Config(vocab_size=VOCAB_SIZE, n_positions=block_size, n_embd=args.n_embd, n_layer=args.n_layer,
-                        n_head=args.n_head, bos_token_id=EOT, eos_token_id=EOT, resid_pdrop=args.hf_dropout,
-                        embd_pdrop=args.hf_dropout, attn_pdrop=args.hf_dropout)
-    model = GPT2LMHeadModel(config)
+def hf_fit_and_score(model, train, val, batches, optimizer, schedule, args, block_size, clip=1.0):
+    """hf_train, then the val loss and accuracy, and the seconds each took."""
     autocast = torch.autocast("cpu", torch.bfloat16, enabled=args.dtype == "bf16")
-    t0 = time.time()
-    train_s = hf_train(model, train, args, autocast)
-    result = {"val loss": hf_val_loss(model, val, autocast),
-              "accuracy": hf_accuracy(model, val, block_size, args.answer_regex, autocast)}
-    steps = args.epochs * math.ceil(len(train) / args.hf_batch)
-    settings = (f"hf: {len(train)} examples x {args.epochs} epochs = {steps} steps of {args.hf_batch} examples; "
-                f"lr {args.hf_lr:g} linear to 0, warmup {round(args.hf_warmup * steps)}, weight decay "
-                f"{args.hf_weight_decay:g}, dropout {args.hf_dropout:g}")
-    return {**result, "wall s": time.time() - t0, "train s": train_s, "settings": settings}
+    t0, train_s = time.time(), hf_train(model, train, batches, optimizer, schedule, autocast, clip)
+    return {"val loss": hf_val_loss(model, val, autocast), "train s": train_s,   # (in this order: wall s comes last)
+            "accuracy": hf_accuracy(model, val, block_size, args.answer_regex, autocast), "wall s": time.time() - t0}
+
+def run_hf(args, train, val, block_size):
+    from transformers import GPT2Config, GPT2LMHeadModel, get_linear_schedule_with_warmup
+    torch.manual_seed(args.seed)
+    dropout = dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), args.hf_dropout)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB_SIZE, n_positions=block_size, n_embd=args.n_embd, n_layer=args.n_layer,
+                                       n_head=args.n_head, bos_token_id=EOT, eos_token_id=EOT, **dropout))
+    batches, optimizer = hf_batches(args, len(train)), hf_optimizer(model, args.hf_lr, args.hf_weight_decay)
+    warmup = round(args.hf_warmup * len(batches))
+    schedule = get_linear_schedule_with_warmup(optimizer, warmup, len(batches))
+    return {**hf_fit_and_score(model, train, val, batches, optimizer, schedule, args, block_size),
+            "settings": f"hf: {len(train)} examples x {args.epochs} epochs = {len(batches)} steps of {args.hf_batch} "
+                        f"examples; lr {args.hf_lr:g} linear to 0, warmup {warmup}, weight decay {args.hf_weight_decay:g}, "
+                        f"dropout {args.hf_dropout:g}"}
 
 # -----------------------------------------------------------------------------
 # 4. The command line
 
-def parse_args(argv=None):
+def build_parser():
     p = argparse.ArgumentParser(description="Our fine-tuning defaults against a Hugging Face loop, from scratch.")
     a = p.add_argument
     a("--train", help="training examples (.jsonl, any of finetune.py's formats)")
@@ -285,9 +277,8 @@ def parse_args(argv=None):
     a("--n_train", type=int, default=1000, help="--synthetic: training examples (default: %(default)s)")
     a("--n_val", type=int, default=200, help="--synthetic: val examples (default: %(default)s)")
     a("--epochs", type=int, default=3)
-    a("--n_layer", type=int, default=4)
-    a("--n_head", type=int, default=4)
-    a("--n_embd", type=int, default=128)
+    for name, default in (("n_layer", 4), ("n_head", 4), ("n_embd", 128)):
+        a(f"--{name}", type=int, default=default)
     a("--block_size", type=int, help="context of both models (default: 256, or the longest example rounded up to 64)")
     a("--answer_regex", help="score answers by this regex's first group (as finetune.py --answer_regex)")
     a("--threads", type=int, default=1, help="torch threads for each side (default: %(default)s)")
@@ -305,22 +296,23 @@ def parse_args(argv=None):
     a("--one_at_a_time", action="store_true", help="ours, then hf (default: both at once)")
     a("--seed", type=int, default=1337, help="the HF loop's initial weights and order (ours: train_gpt2's --seed)")
     a("--work_dir", help="keep the task folder, log and outputs here (default: a temporary folder)")
-    args = p.parse_args(argv)
+    return p
+
+def parse_args(argv=None, parser=None):
+    args = (parser or build_parser()).parse_args(argv)
     if bool(args.train) != bool(args.val) or bool(args.train) == bool(args.synthetic):
         raise SystemExit("error: give --train and --val, or --synthetic NAME")
     import train_args
-    for name_value in args.set:
-        name = name_value.split("=")[0]
-        if "=" not in name_value or not hasattr(train_args, name):
-            raise SystemExit(f"error: --set {name_value}: not NAME=VALUE with NAME a constant of train_args.py")
-    for path in filter(None, (args.train, args.val)):
-        if not os.path.isfile(path):
-            raise SystemExit(f"error: {path}: no such file")
+    for name_value in [s for s in args.set if "=" not in s or not hasattr(train_args, s.split("=")[0])][:1]:
+        raise SystemExit(f"error: --set {name_value}: not NAME=VALUE with NAME a constant of train_args.py")
+    for path in [p for p in (args.train, args.val) if p and not os.path.isfile(p)][:1]:
+        raise SystemExit(f"error: {path}: no such file")
     return args
 
-def main(argv=None):
-    args = parse_args(argv)
-    work = args.work_dir or tempfile.mkdtemp(prefix="compare_hf_")
+def main(argv=None, args=None, theirs=None):
+    """args: parse_args's (default: of argv); theirs: the Hugging Face side, with run_hf's arguments and result (default)."""
+    args = args or parse_args(argv)
+    work = args.work_dir = args.work_dir or tempfile.mkdtemp(prefix="compare_hf_")
     os.makedirs(work, exist_ok=True)
     if args.synthetic:
         args.train, args.val = write_synthetic(args.synthetic, work, args.n_train, args.n_val)
@@ -328,8 +320,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     print(cpu.describe_cpu(args.threads), f"(each side); {args.dtype}; work dir {work}", flush=True)
     train, val = render_file(args.train), render_file(args.val)
-    longest = max(len(e[0]) - 1 for e in train + val)
-    block_size = args.block_size or max(256, -(-longest // 64) * 64)
+    block_size = args.block_size or max(256, -(-max(len(e[0]) - 1 for e in train + val) // 64) * 64)
     results = {}
     if args.only != "hf":
         ours = start_ours(args, work, block_size)
@@ -339,22 +330,19 @@ def main(argv=None):
         if args.one_at_a_time or args.only == "ours":
             results["ours"] = finish_ours(ours[0], work, *ours[2:])
     if args.only != "ours":
-        results["hf"] = run_hf(args, train, val, block_size)
+        results["hf"] = (theirs or run_hf)(args, train, val, block_size)
     if "ours" not in results and args.only != "hf":
         results["ours"] = finish_ours(ours[0], work, *ours[2:])
     print(f"\n{len(train)} train / {len(val)} val examples ({os.path.basename(args.train)}, {os.path.basename(args.val)}), "
           f"{args.epochs} epochs, {args.n_layer} layers x {args.n_embd} wide, {args.n_head} heads, context {block_size}")
     print(cpu.describe_cpu(args.threads) + f" each, {args.dtype}" + (", at the same time" if len(results) == 2 and
                                                                      not args.one_at_a_time else ""))
-    print(f"{'':6s} {'val loss':>9s} {'accuracy':>9s} {'wall s':>8s} {'train s':>8s}")
-    for name, r in results.items():
-        print(f"{name:6s} {r['val loss']:9.4f} {r['accuracy']:9.3f} {r['wall s']:8.1f} {r['train s']:8.1f}")
-    for name, r in results.items():
-        print(f"  {r['settings']}")
+    print("\n".join([f"{'':6s} {'val loss':>9s} {'accuracy':>9s} {'wall s':>8s} {'train s':>8s}"] + [
+        f"{name:6s} {r['val loss']:9.4f} {r['accuracy']:9.3f} {r['wall s']:8.1f} {r['train s']:8.1f}" for name, r in
+        results.items()] + [f"  {r['settings']}" for r in results.values()]))
     if len(results) == 2:
         ours, hf = results["ours"], results["hf"]
-        worse = (["val loss"] if ours["val loss"] > hf["val loss"] else []) + \
-                (["accuracy"] if ours["accuracy"] < hf["accuracy"] else [])
+        worse = ["val loss"] * (ours["val loss"] > hf["val loss"]) + ["accuracy"] * (ours["accuracy"] < hf["accuracy"])
         print("ours is WORSE in " + " and ".join(worse) if worse else "ours is no worse")
     return results
 
