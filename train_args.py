@@ -9,7 +9,6 @@ import os
 
 import dataloader
 import lora
-from dataloader import TaskLoader
 from plumbing import cache_dir
 from plumbing.checkpoints import list_checkpoints, load_checkpoint
 from plumbing.inputs import find_shards
@@ -95,7 +94,7 @@ DEMO_ARGS = dict(n_layer=4, n_head=4, n_embd=128, block_size=256, seq_len=256, b
 # transformers loop on held-out synthetic tasks (bench/compare_hf_finetune.py): 16 examples a step, or 1e-3, lost.
 EXAMPLES_PER_STEP = 8
 FINETUNE_ARGS = dict(epochs=3, hellaswag_interval=0, sample_interval=0, task_examples=200)
-FINETUNE_LR = {"scratch": 5e-4, "pretrained": 5e-5, "lora": 1e-3}  # LoRA: only the adapters move, from zero
+FINETUNE_LR = {"scratch": 5e-4, "pretrained": 5e-5, "lora": 1e-3}  # LoRA: docs/finetuning.md says why
 
 def finetuning_defaults(args, given, task, world_size):
     """Fill in the fine-tuning defaults for the flags not given; --epochs sets --max_steps. Returns the line to print."""
@@ -114,7 +113,7 @@ def finetuning_defaults(args, given, task, world_size):
         args.max_lr = FINETUNE_LR["lora" if args.lora else "scratch" if args.init_from == "scratch" else "pretrained"]
     args.min_lr = args.min_lr if "min_lr" in given else args.max_lr / 10
     if "max_steps" not in given:
-        rows = TaskLoader(args.data_dir, "train", 1, args.seq_len, seed=args.seed).rows_in_epochs(args.epochs)
+        rows = dataloader.TaskLoader(args.data_dir, "train", 1, args.seq_len, seed=args.seed).rows_in_epochs(args.epochs)
         args.max_steps = max(1, -(-rows * args.seq_len // args.total_batch_size))
     args.warmup_steps = args.warmup_steps if "warmup_steps" in given else max(1, args.max_steps // 20)
     for flag in ("eval_interval", "checkpoint_interval"):
