@@ -182,7 +182,7 @@ def score(model, task, args):
     """--input's examples, rendered as the model was trained (cut from the left to fit its context), answered and
     scored; three of them shown. Returns the accuracy."""
     answer_regex = args.answer_regex or (task or {}).get("answer_regex")
-    vars(args).update(train_on="completion", too_long="cut", hf_split=args.hf_split or eval_split(args))
+    vars(args).update(train_on="completion", too_long="cut")
     examples, _ = tasks.collect(tasks.open_sources(args.input, args, "--input"), args,
                                 task["templates"] if task else tasks.TEMPLATES, model.config.block_size)
     if not examples:
@@ -309,6 +309,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if not args.chat:   # a dataset's split is checked before the model is loaded
+        args.hf_split = args.hf_split or eval_split(args)
     import train_gpt2
     cpu.warm_up_vector_math()   # results independent of thread timing (see plumbing/cpu.py)
     model, task = train_gpt2.load_model(args.ckpt_path)
