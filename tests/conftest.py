@@ -63,6 +63,22 @@ def make_shards(data_dir, train_tokens=(6000, 5000), val_tokens=3000, seed=0, vo
     return str(data_dir)
 
 
+def save_random_hf_gpt2(path, **sizes):
+    """A randomly initialised GPT-2 saved the way the hub stores it (config.json + model.safetensors); `sizes`
+    override its GPT2Config (2 layers, 4 heads, 64 wide, context 128 by default)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    cfg = GPT2Config(**{**dict(n_layer=2, n_head=4, n_embd=64, n_positions=128, vocab_size=50257), **sizes})
+    hf = GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():  # HF zero-inits biases; make them random so a bias mix-up cannot hide
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.02)
+    hf.save_pretrained(path, safe_serialization=True)
+    return hf
+
+
 def tiny_run_args(data_dir, log_dir, *extra):
     """Flags for a short fp32 run of the tiny model; later flags override earlier ones."""
     return ["--data_dir", str(data_dir), "--log_dir", str(log_dir), *TINY_MODEL,

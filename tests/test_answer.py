@@ -19,7 +19,7 @@ import tasks
 import tokenizer
 import train_gpt2
 from conftest import (REPO, TINY_MODEL, checkpoints_of_each_kind, greedy_reference, record_prompts, run_train,
-                      save_task_checkpoint, say_eot_at, task_of, varied_model)
+                      save_random_hf_gpt2, save_task_checkpoint, say_eot_at, task_of, varied_model)
 from test_finetune import prepare, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -240,11 +240,9 @@ def test_task_accuracy_on_two_ranks_splits_the_examples_and_sums_the_counts(tmp_
 def test_scoring_a_hugging_face_layout_model(tmp_path, capsys):
     """answer.py --input on a random GPT-2 saved by transformers: it loads, renders with the folder's task.json templates,
     answers, and prints the accuracy and examples, agreeing with the plain greedy loop on the same weights."""
-    from transformers import GPT2Config, GPT2LMHeadModel
     import train_gpt2
-    torch.manual_seed(0)
     folder = tmp_path / "hf"
-    GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64)).save_pretrained(folder)
+    save_random_hf_gpt2(folder, n_head=2, n_embd=32, n_positions=64)
     templates = {**tasks.TEMPLATES, "alpaca": {"input": "Do {instruction} with {input}:", "no_input": "Do {instruction}:"}}
     (folder / "task.json").write_text(json.dumps({"kind": "task", "version": 1, "format": "alpaca",
                                                   "formats": {"alpaca": 1}, "templates": templates,

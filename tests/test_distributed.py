@@ -491,7 +491,7 @@ def test_sharded_build_starts_from_a_whole_builds_weights(tmp_path):
 def test_sharded_finetune_from_pretrained_equals_ddp(data, tmp_path):
     """--init_from a Hugging Face folder with --shard full: the model is built sharded and each rank copies
     in just its pieces, one tensor at a time; the fine-tune must equal the same fine-tune under DDP."""
-    from test_model import save_random_hf_gpt2
+    from conftest import save_random_hf_gpt2
     save_random_hf_gpt2(tmp_path / "hf")
     ddp = run_launched(tiny_run_args(data, tmp_path / "ddp", *EQUAL, "--init_from", tmp_path / "hf"), TORCHRUN, clean_env())
     sharded = run_launched(tiny_run_args(data, tmp_path / "sharded", *EQUAL, "--init_from", tmp_path / "hf",

@@ -10,8 +10,7 @@ import torch
 
 import export_hf
 import tokenizer
-from conftest import REPO, make_shards, run_train, tiny_run_args
-from test_model import save_random_hf_gpt2
+from conftest import REPO, make_shards, run_train, save_random_hf_gpt2, tiny_run_args
 from train_gpt2 import GPT, GPTConfig, load_model
 import answer
 import sample

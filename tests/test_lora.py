@@ -15,7 +15,8 @@ from torch.nn import functional as F
 import export_hf
 import lora
 import train_gpt2
-from conftest import REPO, TORCHRUN, clean_env, make_shards, read_log, run_launched, run_train
+from conftest import (REPO, TORCHRUN, clean_env, make_shards, read_log, run_launched, run_train,
+                      save_random_hf_gpt2)
 from plumbing import sharding
 from train_gpt2 import GPT, GPTConfig
 
@@ -195,10 +196,8 @@ def test_a_bf16_step_on_a_bf16_base_follows_the_fp32_one():
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """A random small GPT-2 saved by transformers (what --init_from reads), and its path."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(0)
     path = tmp_path_factory.mktemp("base") / "gpt2-tiny"
-    GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64)).save_pretrained(path)
+    save_random_hf_gpt2(path, n_head=2, n_embd=32, n_positions=64)
     return str(path)
 
 

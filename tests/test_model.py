@@ -7,23 +7,10 @@ import torch
 
 import train_args
 import train_gpt2
+from conftest import save_random_hf_gpt2
 from train_gpt2 import GPT, GPTConfig
 
 SMALL = GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
-
-
-def save_random_hf_gpt2(path, **sizes):
-    """A randomly initialised GPT-2 saved the way the hub stores it (config.json + model.safetensors)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=128, vocab_size=50257, **sizes)
-    hf = GPT2LMHeadModel(cfg).eval()
-    with torch.no_grad():  # HF zero-inits biases; make them random so a bias mix-up cannot hide
-        for name, p in hf.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.02)
-    hf.save_pretrained(path, safe_serialization=True)
-    return hf
 
 
 def test_logits_equal_transformers(tmp_path):

@@ -14,7 +14,7 @@ import tokenizer
 import train_gpt2
 from train_gpt2 import GPT
 from conftest import (REPO, checkpoints_of_each_kind, greedy_reference, make_shards, record_prompts, run_train,
-                      save_task_checkpoint, say_eot_at, task_of, tiny_run_args, varied_model)
+                      save_random_hf_gpt2, save_task_checkpoint, say_eot_at, task_of, tiny_run_args, varied_model)
 from plumbing import cpu, speedups
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -33,10 +33,8 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """A local Hugging Face-layout GPT-2 (config.json + model.safetensors), random weights."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(0)
     path = tmp_path_factory.mktemp("hf") / "tiny-gpt2"
-    GPT2LMHeadModel(GPT2Config(n_positions=64, n_embd=32, n_layer=2, n_head=2)).save_pretrained(path)
+    save_random_hf_gpt2(path, n_head=2, n_embd=32, n_positions=64)
     return str(path)
 
 

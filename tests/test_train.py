@@ -291,7 +291,7 @@ def test_demo_runs_end_to_end(tmp_path):
 # ----------------------------------------------------------------------------- fine-tuning
 
 def test_finetune_from_pretrained_dir_and_from_checkpoint(tmp_path, shards):
-    from test_model import save_random_hf_gpt2
+    from conftest import save_random_hf_gpt2
     save_random_hf_gpt2(tmp_path / "hf")  # a GPT-2 in the hub's layout, context 128, vocab 50257
     out = run_train(tiny_run_args(shards, tmp_path / "ft", "--init_from", tmp_path / "hf", "--max_steps", "2")).stdout
     assert "vocab_size=50257" in out and "n_embd=64" in out  # sizes come from config.json, vocab not padded
