@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from plumbing import checkpoints, cpu, inputs, sharding, speedups, world
+from plumbing import attention, checkpoints, cpu, inputs, sharding, speedups, world
 from plumbing.checkpoints import append_log, checkpoint_path, list_checkpoints, load_checkpoint
 from plumbing.fused_loss import IGNORE, lm_head_loss
 import dataloader
@@ -62,6 +62,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if lengths is not None:  # packed rows of examples
             return self.c_proj(packed_attention(q, k, v, lengths).reshape(B, T, C))
+        if cache is None and attn_mask is None:  # causal from position 0 (training): the kernel measured fastest
+            return self.c_proj(attention.causal(q, k, v).transpose(1, 2).reshape(B, T, C))  # (plumbing/attention.py)
         first = cache is None or cache.pos == 0
         k, v = cache.update(layer, k, v) if cache is not None else (k, v)
         # no mask: causal from position 0 (is_causal: no mask tensor is made), or one new query, which sees every key
@@ -455,6 +457,9 @@ def prepare_training(run, ckpt, ckpt_file):
     args, ranks, model = run.args, run.ranks, run.raw_model
     optimizer, fused = model.configure_optimizer(args.weight_decay, args.max_lr, run.device_type)
     ranks.print0(f"optimizer: AdamW, fused={fused}")
+    if run.device_type == "cpu" and (line := attention.choose(run.dtype, args.batch_size, model.config.n_head, args.seq_len,
+                                                                model.config.n_embd // model.config.n_head, ranks)):
+        ranks.print0(line)
     start_step = 0
     if ckpt is not None:
         if ckpt["sharded_path"]:  # any number of ranks, sharded or not: each reads what it holds
@@ -467,6 +472,10 @@ def prepare_training(run, ckpt, ckpt_file):
         torch.set_rng_state(ckpt["rng"]["torch"])
         start_step = ckpt["step"]
         ranks.print0(f"resumed from {ckpt_file} at step {start_step}")
+    if run.ipex is not None and not run.sharded and run.device_type == "cpu":  # right at this run's shapes? faster?
+        run.ipex, line = speedups.decide_ipex(run.ipex, args.ipex, run.dtype, model.transformer.h[0], args.batch_size,
+                                              args.seq_len, args.compile and speedups.can_compile("cpu"), ranks)
+        ranks.print0(line)
     if run.ipex is not None and not run.sharded:
         model, optimizer = speedups.apply_ipex(run.ipex, model, optimizer, run.dtype, ranks.print0)
     # torch.compile fuses the training forward and backward into C++ kernels (bench/bench_train.py measures it).

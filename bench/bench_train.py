@@ -25,9 +25,11 @@ A configuration (--a, --b) is a comma-separated list of:
     keep | release           keep freed memory for reuse (cpu.keep_freed_memory), or let glibc's
                              malloc give big blocks back to the OS at every free, as it does by default
     fp32 | bf16              the dtype (bf16: under autocast); default: --dtype, resolved
-    plain                    = eager,full,release: build-nanogpt's step (cross_entropy on all logits), in the
+    plain                    = eager,full,release,attention=sdpa: build-nanogpt's step (cross_entropy on all logits), in the
                              dtype of --dtype; plain,bf16 is its CPU path as written (autocast bf16 always)
     loss_chunk=N             positions per chunk of the chunked loss (plumbing.fused_loss.LOSS_CHUNK)
+    attention=auto|ours|sdpa causal attention by the kernel train_gpt2.py measures fastest here (auto), by
+                             plumbing/attention.cpp's (ours: AMX only), or by F.scaled_dot_product_attention
     budget=F                 torch.compile's activation memory budget, 0 < F <= 1 (1: keep all it can
                              for backward; default speedups.ACTIVATION_MEMORY_BUDGET)
     batch_size=N             sequences per micro-step, instead of --batch_size (A/B compares tokens/s)
@@ -82,6 +84,7 @@ def worker(cfg, args):
     # the dtype, decided here: the matmul rates that decide are those of this process's threads
     dtype_name, dtype_line = speedups.resolve_dtype(cfg.get("dtype", args.dtype), "cpu", args.n_embd)
     autocast = speedups.autocast(dtype_name, "cpu")
+    dtype_line += "; " + common.choose_attention(cfg["attention"], dtype_name, B, args.seq_len, config)
 
     def step():
         # the inner loop of train_gpt2.py, without data loading, DDP and logging

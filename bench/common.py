@@ -90,7 +90,7 @@ def die_with_parent(sig=signal.SIGKILL):
 def parse_config(text):
     """A configuration's items (bench_train.py's docstring lists them), for a worker:
     'compile,chunked,loss_chunk=512' -> {'compile': True, 'loss': 'chunked', 'memory': 'keep', 'loss_chunk': 512}"""
-    cfg = {"compile": True, "loss": "chunked", "memory": "keep"}
+    cfg = {"compile": True, "loss": "chunked", "memory": "keep", "attention": "auto"}
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, _, value = item.partition("=")
         if item in ("compile", "eager"):
@@ -102,7 +102,9 @@ def parse_config(text):
         elif item in ("fp32", "bf16"):
             cfg["dtype"] = item
         elif item == "plain":
-            cfg.update(compile=False, loss="full", memory="release")
+            cfg.update(compile=False, loss="full", memory="release", attention="sdpa")
+        elif key == "attention" and value in ("auto", "ours", "sdpa"):
+            cfg[key] = value
         elif key in ("loss_chunk", "threads", "batch_size", "lora") and value.isdigit() and int(value) > 0:
             cfg[key] = int(value)
         elif key == "budget" and value.replace(".", "", 1).isdigit() and 0 < float(value) <= 1:
@@ -114,9 +116,19 @@ def parse_config(text):
     return cfg
 
 
+def choose_attention(how, dtype, batch_size, seq_len, config):
+    """A worker's causal attention (a configuration's attention=auto|ours|sdpa); returns the line saying which."""
+    from plumbing import attention
+    line = attention.choose(dtype, batch_size, config.n_head, seq_len, config.n_embd // config.n_head)
+    if how != "auto":
+        attention.chosen = how == "ours" and bool(attention.kernel())
+        line = f"attention: {'ours' if attention.chosen else 'PyTorch' + chr(39) + 's'} (attention={how}; {line})"
+    return line or "attention: PyTorch's (fp32)"
+
+
 def describe(cfg, words):
     """A configuration's name, for its lines: the script's `words` for it, then its dtype and the items with a value."""
-    words = words + [cfg["dtype"]] * ("dtype" in cfg)
+    words = words + [cfg["dtype"]] * ("dtype" in cfg) + [f"attention={cfg['attention']}"] * (cfg.get("attention", "auto") != "auto")
     words += [f"{k}={cfg[k]}" for k in ("lora", "batch_size", "loss_chunk", "threads", "budget") if k in cfg]
     words += [f"{k}={os.path.basename(v)}" for k, v in cfg.get("env", {}).items()]
     return ",".join(words)

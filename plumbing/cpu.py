@@ -145,9 +145,14 @@ def native_bf16():
             flags.update(line.split(":", 1)[1].split())
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"}) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
+def has_amx():
+    """Intel's AMX tile units for bf16 (Xeon 4th generation on): matmuls several times AVX-512's rate."""
+    return any(line.split(":")[0].strip() == "flags" and " amx_bf16" in line for line in cpuinfo_lines())
+
 def describe_cpu(threads):
     """The startup line: what this CPU offers, and how much of it the run uses."""
-    return (f"cpu: {cpu_name()}, {torch.backends.cpu.get_cpu_capability()}, native bf16: "
+    isa = torch.backends.cpu.get_cpu_capability() + (" + AMX" if has_amx() else "")
+    return (f"cpu: {cpu_name()}, {isa}, native bf16: "
             f"{'yes' if native_bf16() else 'no'}, {threads} torch thread(s)")
 
 # The matmul rate: GFLOP/s of this CPU, on torch's threads now, at the model's matmul shape, (M, width) @
@@ -171,6 +176,10 @@ MEASURE_ROUNDS = 5  # at least this many timed products per dtype, in turns acro
 # may run a product on fewer threads than torch has (PyTorch's bf16 fallback uses one), with a low share on
 # a quiet machine too: each dtype's products are judged against their highest share, or one thread's worth.
 UNDISTURBED = 0.75  # a product whose share reaches this fraction of its dtype's (just above) ran undisturbed
+# A product shorter than a scheduler time slice cannot have lost its cores for one, and its share is noise (thread
+# wake-ups, clock reads): on a quiet Xeon with AMX a bf16 product at the demo's width takes ~70 microseconds, and
+# judging those shares said "this machine is busy" every start. Such products are not judged.
+JUDGED = 1e-3  # seconds
 LONGER = 1.0  # seconds of products a disturbed measurement may go on for
 
 def rate_key(dtype, width):
@@ -236,7 +245,7 @@ def measure_in_turns(dtypes, width, seconds=0.05, time_product=None, longer=0.0)
         full = max((top[d] for d in turns), default=1.0) >= UNDISTURBED  # some product had all its threads on a CPU
         return {d: max(1 / threads, min(1.0, top[d])) if full else 1.0 for d in dtypes}  # (else none did: all)
     def busy():  # some dtype's fastest product lost its cores for a while
-        return any(fastest[d][1] < UNDISTURBED * undisturbed()[d] for d in turns)
+        return any(fastest[d][0] >= JUDGED and fastest[d][1] < UNDISTURBED * undisturbed()[d] for d in turns)
     rounds, spent = 0, 0.0
     while turns and rounds < 1000 and (rounds < MEASURE_ROUNDS or spent < 2 * seconds or (spent < longer and busy())):
         for dtype in turns:

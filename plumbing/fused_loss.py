@@ -60,7 +60,9 @@ def chunked_loss(x, weight, targets, dtype, grads):
             if grad_x is not None:
                 grad_x[i:i + LOSS_CHUNK] = (g @ w) * counted
             if grad_w is not None:
-                grad_w += g.t() @ (xc * counted)
+                # (.float() by hand: torch 2.8's compiler fused `fp32 += bf16 product` into one addmm of mixed dtypes,
+                # which fails at run time: "self and mat2 must have the same dtype")
+                grad_w += (g.t() @ (xc * counted)).float()
     return loss, grad_x, grad_w, counts.sum()
 
 class LMHeadLoss(torch.autograd.Function):

@@ -3,8 +3,10 @@ The ways to make a step faster: the precision (bf16 where this machine computes 
 torch.compile (C++ kernels fused for the whole step, cached on disk) and Intel Extension for PyTorch
 (ipex.optimize), each used when it can run.
 """
+import math
 import os
 import shutil
+import time
 from contextlib import nullcontext
 
 import torch
@@ -148,6 +150,81 @@ def ipex_for_dtype(ipex, mode, dtype, bf16_weights):
         raise SystemExit("error: --ipex on with bf16: IPEX's bf16 weights need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, "
                          "which this CPU lacks; pass --dtype auto (fp32 here), or --ipex off")
     return None
+
+# IPEX 2.8's bf16 weight gradients are wrong at GPT-2's width once a micro-step holds more than about 2,500 rows
+# (B x T). Measured on an Intel Xeon with AMX (2 cores), one ipex.optimize'd Linear(768, 3072) under autocast against
+# PyTorch's: the norm of its weight gradient is right at 2,048 and 2,049 rows, 5.7-5.9x too large at 3,000, 4,095,
+# 4,096 and 8,192; Linear(768, 768) 2.9x at 4,096; Linear(64, 64) and (128, 512) right at 4,096 (so a tiny test model
+# never shows it). The loss stays right: only the training goes wrong (GPT-2 (124M), B 4 x T 1024: norm 38.1 against
+# 7.2). It is IPEX's own kernel, so the trainer checks it at the run's shapes before IPEX trains anything.
+IPEX_GRAD_TOLERANCE = 0.02  # bf16 rounding moves a weight gradient's norm by well under this (measured: 0.0001)
+
+def ipex_gradient_error(ipex, width, rows, dtype):
+    """The largest relative error of IPEX's weight-gradient norm against PyTorch's over a block's four Linear shapes,
+    (width -> 3 width, width, 4 width; 4 width -> width), at `rows` rows in `dtype` ('bf16' or 'fp32'). The random
+    numbers come from a generator of its own, so the run's stay as they were."""
+    import copy
+    generator, worst = torch.Generator().manual_seed(0), 0.0
+    for n_in, n_out in ((width, 3 * width), (width, width), (width, 4 * width), (4 * width, width)):
+        x, grad = torch.randn(rows, n_in, generator=generator), torch.randn(rows, n_out, generator=generator)
+        layer = torch.nn.Sequential(torch.nn.Linear(n_in, n_out))
+        with torch.no_grad():
+            layer[0].weight.normal_(0.0, 0.02, generator=generator)
+        norms = []
+        for use_ipex in (False, True):
+            model = copy.deepcopy(layer)
+            optimizer = torch.optim.AdamW(model.parameters())
+            if use_ipex:
+                model, optimizer = ipex.optimize(model, optimizer=optimizer, inplace=True,
+                                                 dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+            with autocast(dtype, "cpu"):
+                out = model(x)
+            out.float().backward(grad)
+            norms.append(model[0].weight.grad.float().norm().item())
+        worst = max(worst, abs(norms[1] / norms[0] - 1))
+    return worst
+
+def time_block(block, batch_size, seq_len, dtype, turns=3):
+    """block(x) forward and backward, its best of `turns` after a first (which compiles, where it is compiled)."""
+    x = torch.randn(batch_size, seq_len, block.ln_1.normalized_shape[0], generator=torch.Generator().manual_seed(0))
+    best = math.inf
+    for turn in range(turns + 1):
+        start = time.perf_counter()
+        with autocast(dtype, "cpu"):
+            out = block(x)
+        out.float().sum().backward()
+        best = min(best, time.perf_counter() - start) if turn else best
+    return best
+
+def decide_ipex(ipex, mode, dtype, block, batch_size, seq_len, compile, ranks):
+    """IPEX (as found) if it trains right at this run's shapes and faster than the plain step, else None; with --ipex on,
+    right is enough, and wrong is one error line. block: one of the model's blocks (copied, not changed), timed with
+    ipex.optimize against as the trainer would run it without (torch.compile'd if `compile`). Every rank must agree:
+    IPEX only if all choose it. Returns (IPEX or None, the line that says why)."""
+    import copy
+    rows, width = batch_size * seq_len, block.ln_1.normalized_shape[0]
+    error = ipex_gradient_error(ipex, width, rows, dtype)
+    if error > IPEX_GRAD_TOLERANCE:
+        why = (f"IPEX {ipex.__version__}'s {dtype} weight gradients are off by {100 * error:.0f}% at this run's "
+               f"{batch_size} x {seq_len} = {rows} rows a micro-step (its kernels are right below about 2,500)")
+        if mode == "on":
+            raise SystemExit(f"error: --ipex on: {why}; pass a smaller --batch_size, or --ipex off")
+        use, line = False, f"ipex: not used: {why}"
+    elif mode == "on":
+        use, line = True, "ipex: used (--ipex on; its gradients checked at this run's shapes)"
+    else:
+        plain = compile_model(copy.deepcopy(block)) if compile else copy.deepcopy(block)
+        ipex_block = copy.deepcopy(block)  # (training mode: IPEX wants the optimizer too, for its master weights)
+        ipex_block, _ = ipex.optimize(ipex_block, optimizer=torch.optim.AdamW(ipex_block.parameters()), inplace=True,
+                                      dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+        with torch.random.fork_rng():
+            plain_s, ipex_s = time_block(plain, batch_size, seq_len, dtype), time_block(ipex_block, batch_size, seq_len, dtype)
+        use = ipex_s < plain_s
+        line = (f"ipex: {'used' if use else 'not used'}: a block's forward and backward took {1000 * ipex_s:.0f} ms with "
+                f"IPEX vs {1000 * plain_s:.0f} ms {'compiled' if compile else 'plain'} (--ipex on|off forces it)")
+    if ranks is not None and ranks.world_size > 1:
+        use = ranks.all_reduce_sum(torch.tensor(float(use), device=ranks.device)).item() == ranks.world_size
+    return (ipex if use else None), line
 
 def apply_ipex(ipex, model, optimizer, dtype, print0):
     """Intel Extension for PyTorch's optimize(), for the run's dtype ('bf16' or 'fp32'): after any checkpoint

@@ -265,6 +265,15 @@ def test_a_product_the_library_runs_on_fewer_threads_is_not_taken_for_a_busy_mac
     assert measured.busy and fake.seconds >= cpu.LONGER
 
 
+def test_products_too_short_to_lose_a_time_slice_are_not_taken_for_a_busy_machine(cache, monkeypatch, two_threads):
+    # a quiet Xeon with AMX at the demo's width: bf16's 1024-row product takes 70 microseconds, fp32's 0.5 ms, and
+    # their threads' shares are noise at that length (here half): judged, they said "busy" at every start
+    fake = on_cpu(monkeypatch, True, {BF16: 2000.0, FP32: 300.0}, width=128, ran=lambda i, dtype: 0.5)
+    measured = cpu.measure_in_turns((BF16, FP32), 128, time_product=fake.time_product, longer=cpu.LONGER)
+    assert not measured.busy
+    assert speedups.resolve_dtype("auto", "cpu", 128)[1].endswith("measured now; --dtype fp32 for full precision)")
+
+
 def test_a_size_cut_short_by_a_product_that_lost_its_cores_grows_back(cache, monkeypatch, two_threads):
     # bf16's 64-row product lost its cores for 20 ms, as if 64 rows were too many to grow from: measured at 64
     # rows (a product of 20 microseconds, mostly call overhead on a real CPU), bf16's rate would be too low.
@@ -408,7 +417,8 @@ def test_a_run_names_its_cpu_dtype_and_share_of_the_matmul_rate(tmp_path, one_th
     cache.parent.mkdir(parents=True)
     cache.write_text(json.dumps({cpu.rate_key(FP32, 32): 0.001, cpu.rate_key(BF16, 32): 0.001}))  # --threads 1, width 32
     out = run_train(tiny_run_args(data, tmp_path / "log", "--max_steps", "2"), env={"XDG_CACHE_HOME": str(tmp_path / "cache")}).stdout
-    assert f"cpu: {cpu.cpu_name()}, {torch.backends.cpu.get_cpu_capability()}, native bf16: " in out
+    isa = torch.backends.cpu.get_cpu_capability() + (" + AMX" if cpu.has_amx() else "")  # (named where it has it)
+    assert f"cpu: {cpu.cpu_name()}, {isa}, native bf16: " in out
     assert "1 torch thread(s)" in out and "dtype: fp32 (--dtype fp32; bf16 matmul " in out
     assert "vs fp32 0 here" not in out and read_json(cache)[cpu.rate_key(FP32, 32)] > 0.001
     assert set(read_json(cache)) == {cpu.rate_key(FP32, 32), cpu.rate_key(BF16, 32)}  # the run's own keys

@@ -1,0 +1,272 @@
+// Causal attention for CPUs with AMX, forward and backward, bf16 in and out, softmax in fp32 (see attention.py).
+//
+// Per (batch, head), a block of Q_ROWS queries at a time against all the keys it sees (causal: none after it).
+// The block's scores S = Q K^T / sqrt(D) are at most Q_ROWS x T fp32, 256 KB at T 1024: they stay in the core's
+// L2 cache, so the softmax is exact over each row (no online rescaling, as flash attention needs for longer rows).
+// Every product is AMX tile products through oneDNN's batch-reduce GEMM, which PyTorch ships
+// (at::native::cpublas::brgemm): A row-major bf16, B in "VNNI" pairs (two consecutive values along the summed
+// dimension side by side: the layout AMX reads), C fp32. The operands are put into that layout here, one
+// (batch, head) at a time, while they are in cache.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+using at::BFloat16;
+using Vec = at::vec::Vectorized<float>;
+
+constexpr int64_t Q_ROWS = 64;  // queries per block
+constexpr float MASKED = -1e30f;  // a score that exp() turns into 0
+
+// C (M, N) = A (M, K) @ B (K, N) (add: C +=), A row-major, B in VNNI pairs [K/2][ld_b][2]. One call per product:
+// oneDNN compiles a kernel for each shape it sees (a few dozen here) and keeps it; small calls cost more in overhead
+// than they save (measured: products of 64 x 64 x 64 reach half the rate of 64 x 1024 x 64 ones).
+static void gemm(int64_t M, int64_t N, int64_t K, const BFloat16* A, int64_t ld_a, const BFloat16* B, int64_t ld_b,
+                 float* C, int64_t ld_c, bool add) {
+  at::native::cpublas::brgemm(M, N, K, ld_a, ld_b, ld_c, add, A, B, C, true);
+}
+
+// 16 x 16 32-bit words, rows[i][0..15] -> out[j * ld_out + i] (AVX-512: pairs of rows, then of pairs, then of 4s
+// and of 8s swap halves: four rounds of shuffles instead of 256 scattered moves)
+static void transpose16(const uint32_t* const rows[16], uint32_t* out, int64_t ld_out) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows[i]);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4)
+    for (int j = 0; j < 2; ++j) {
+      r[i + j] = _mm512_unpacklo_epi64(t[i + j], t[i + j + 2]);
+      r[i + j + 2] = _mm512_unpackhi_epi64(t[i + j], t[i + j + 2]);
+    }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+  // r[j] now holds column j with its bits 0 and 1 swapped (0 2 1 3 4 6 5 7 ...), rows 0..15 in order
+  for (int j = 0; j < 16; ++j) _mm512_storeu_si512(out + ((j & ~3) | (j & 1) << 1 | (j >> 1 & 1)) * ld_out, r[j]);
+}
+
+// The layouts, from n rows of D values (row stride ld) to T >= n rows (a multiple of 16), the extra rows zero.
+// x^T in VNNI pairs [D/2][T][2]: the pair (x[t][2p], x[t][2p+1]) is one 32-bit word, moved to [p][t]
+static void pack_vnni_t(const BFloat16* x, int64_t ld, int64_t n, int64_t T, int64_t D, BFloat16* out,
+                        const BFloat16* zeros) {
+  const uint32_t* rows[16];
+  for (int64_t t0 = 0; t0 < T; t0 += 16)
+    for (int64_t p0 = 0; p0 < D / 2; p0 += 16) {
+      for (int i = 0; i < 16; ++i)
+        rows[i] = reinterpret_cast<const uint32_t*>(t0 + i < n ? x + (t0 + i) * ld + 2 * p0 : zeros);
+      transpose16(rows, reinterpret_cast<uint32_t*>(out) + p0 * T + t0, T);
+    }
+}
+
+// Two rows a, b (n values each) as VNNI pairs: a0 b0 a1 b1 ... (AVX-512's two-source word permute, 32 at a time)
+static void interleave(const BFloat16* a, const BFloat16* b, int64_t n, BFloat16* out) {
+  int64_t c = 0;
+  const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                       39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  for (; c + 32 <= n; c += 32) {
+    __m512i va = _mm512_loadu_si512(a + c), vb = _mm512_loadu_si512(b + c);
+    _mm512_storeu_si512(out + 2 * c, _mm512_permutex2var_epi16(va, low, vb));
+    _mm512_storeu_si512(out + 2 * c + 32, _mm512_permutex2var_epi16(va, high, vb));
+  }
+  for (; c < n; ++c) out[2 * c] = a[c], out[2 * c + 1] = b[c];
+}
+
+// The reverse: VNNI pairs (n of them) back to two rows
+static void deinterleave(const BFloat16* pairs, int64_t n, BFloat16* a, BFloat16* b) {
+  int64_t c = 0;
+  const __m512i evens = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32,
+                                         30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odds = _mm512_add_epi16(evens, _mm512_set1_epi16(1));
+  for (; c + 32 <= n; c += 32) {
+    __m512i lo = _mm512_loadu_si512(pairs + 2 * c), hi = _mm512_loadu_si512(pairs + 2 * c + 32);
+    _mm512_storeu_si512(a + c, _mm512_permutex2var_epi16(lo, evens, hi));
+    _mm512_storeu_si512(b + c, _mm512_permutex2var_epi16(lo, odds, hi));
+  }
+  for (; c < n; ++c) a[c] = pairs[2 * c], b[c] = pairs[2 * c + 1];
+}
+
+// x in VNNI pairs of rows [T/2][D][2]
+static void pack_vnni(const BFloat16* x, int64_t ld, int64_t n, int64_t T, int64_t D, BFloat16* out,
+                      const BFloat16* zeros) {
+  for (int64_t t = 0; t < T; t += 2)
+    interleave(t < n ? x + t * ld : zeros, t + 1 < n ? x + (t + 1) * ld : zeros, D, out + t * D);
+}
+
+// x^T plain [D][T]: x^T in VNNI pairs, each pair of rows then taken apart (scratch: D * T values)
+static void pack_t(const BFloat16* x, int64_t ld, int64_t n, int64_t T, int64_t D, BFloat16* out,
+                   const BFloat16* zeros, BFloat16* scratch) {
+  pack_vnni_t(x, ld, n, T, D, scratch, zeros);
+  for (int64_t p = 0; p < D / 2; ++p) deinterleave(scratch + 2 * p * T, T, out + 2 * p * T, out + (2 * p + 1) * T);
+}
+
+static inline void store_bf16(const Vec& x, BFloat16* out) {  // 16 floats, rounded to nearest even
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), at::vec::cvtfp32_bf16(__m512(x)));
+}
+
+static float max_of(const float* x, int64_t n) {
+  Vec m(MASKED);
+  for (int64_t c = 0; c < n; c += Vec::size()) m = at::vec::maximum(m, Vec::loadu(x + c));
+  return _mm512_reduce_max_ps(m);
+}
+
+static float sum_of(const float* x, int64_t n) {
+  Vec s(0.0f);
+  for (int64_t c = 0; c < n; c += Vec::size()) s += Vec::loadu(x + c);
+  return _mm512_reduce_add_ps(s);
+}
+
+struct Heads {  // one (batch, head)'s rows in a (B, H, T, D) tensor whose D values are contiguous
+  const BFloat16* rows;
+  int64_t ld;
+  Heads(const at::Tensor& x, int64_t b, int64_t h)
+      : rows(x.const_data_ptr<BFloat16>() + b * x.stride(0) + h * x.stride(1)), ld(x.stride(2)) {}
+};
+
+// Forward: q, k, v (B, H, n, D). Returns out (B, n, H, D) and lse (B, H, n): each row's log-sum-exp of its scaled
+// scores, from which backward remakes the softmax without another reduction.
+std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const int64_t B = q.size(0), H = q.size(1), n = q.size(2), D = q.size(3), T = (n + Q_ROWS - 1) / Q_ROWS * Q_ROWS;
+  const float scale = 1.0f / std::sqrt(float(D));
+  auto out = at::empty({B, n, H, D}, q.options());
+  auto lse = at::empty({B, H, n}, q.options().dtype(at::kFloat));
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(Q_ROWS * T), o(Q_ROWS * D), inv_sum(Q_ROWS);
+    std::vector<BFloat16> p(Q_ROWS * T), kt(D * T), vv(T * D), zeros(T);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      Heads Q(q, b, h), K(k, b, h), V(v, b, h);
+      pack_vnni_t(K.rows, K.ld, n, T, D, kt.data(), zeros.data());
+      pack_vnni(V.rows, V.ld, n, T, D, vv.data(), zeros.data());
+      float* LSE = lse.data_ptr<float>() + bh * n;
+      for (int64_t i0 = 0; i0 < n; i0 += Q_ROWS) {
+        const int64_t rows = std::min(Q_ROWS, n - i0), keys = i0 + Q_ROWS;  // keys: a multiple of Vec::size()
+        gemm(rows, keys, D, Q.rows + i0 * Q.ld, Q.ld, kt.data(), T, s.data(), T, false);
+        for (int64_t r = 0; r < rows; ++r) {  // P = exp(S - max), unnormalized: out's rows are divided by their sums
+          float* row = s.data() + r * T;
+          std::fill(row + i0 + r + 1, row + keys, MASKED);  // row i0 + r sees keys 0 .. i0 + r
+          const float max = max_of(row, keys) * scale;
+          Vec sum(0.0f);
+          for (int64_t c = 0; c < keys; c += Vec::size()) {
+            const Vec e = (Vec::loadu(row + c) * Vec(scale) - Vec(max)).exp_u20();
+            sum += e;
+            store_bf16(e, p.data() + r * T + c);
+          }
+          inv_sum[r] = 1.0f / _mm512_reduce_add_ps(sum);
+          LSE[i0 + r] = max - std::log(inv_sum[r]);
+        }
+        gemm(rows, D, keys, p.data(), T, vv.data(), D, o.data(), D, false);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t d = 0; d < D; d += Vec::size())
+            store_bf16(Vec::loadu(o.data() + r * D + d) * Vec(inv_sum[r]),
+                       out.data_ptr<BFloat16>() + ((b * n + i0 + r) * H + h) * D + d);
+      }
+    }
+    at::native::cpublas::brgemm_release(true);
+  });
+  return {out, lse};
+}
+
+// Backward, per query block i (keys 0 .. e):  P = exp(S - lse),  dP = dO V^T,  dS = P (dP - delta) / sqrt(D),
+//   dQ_i = dS K,   dK^T += Q_i^T dS,   dV^T += dO_i^T P   (dK^T and dV^T summed over the blocks in fp32),
+// where delta = rowsum(dO * out). Returns dq, dk, dv, each (B, n, H, D).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& d_out, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse) {
+  const int64_t B = q.size(0), H = q.size(1), n = q.size(2), D = q.size(3), T = (n + Q_ROWS - 1) / Q_ROWS * Q_ROWS;
+  const float scale = 1.0f / std::sqrt(float(D));
+  auto dq = at::empty({B, n, H, D}, q.options()), dk = at::empty_like(dq), dv = at::empty_like(dq);
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(Q_ROWS * T), dp(Q_ROWS * T), dqi(Q_ROWS * D), dkt(D * T), dvt(D * T), delta(T), grad_rows(16 * D);
+    std::vector<BFloat16> p(2 * T), p_vnni(Q_ROWS * T), ds(Q_ROWS * T), ds_vnni(Q_ROWS * T), zeros(T);
+    std::vector<BFloat16> kt(D * T), vt(D * T), kv(T * D), qt(D * T), dot(D * T), scratch(D * T);
+    std::vector<float> o_row(D), g_row(D);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      Heads Q(q, b, h), K(k, b, h), V(v, b, h), dO(d_out, b, h), O(out, b, h);
+      pack_vnni_t(K.rows, K.ld, n, T, D, kt.data(), zeros.data());
+      pack_vnni_t(V.rows, V.ld, n, T, D, vt.data(), zeros.data());
+      pack_vnni(K.rows, K.ld, n, T, D, kv.data(), zeros.data());
+      pack_t(Q.rows, Q.ld, n, T, D, qt.data(), zeros.data(), scratch.data());
+      pack_t(dO.rows, dO.ld, n, T, D, dot.data(), zeros.data(), scratch.data());
+      for (int64_t t = 0; t < n; ++t) {
+        at::vec::convert(dO.rows + t * dO.ld, g_row.data(), D);
+        at::vec::convert(O.rows + t * O.ld, o_row.data(), D);
+        Vec sum(0.0f);
+        for (int64_t d = 0; d < D; d += Vec::size()) sum += Vec::loadu(g_row.data() + d) * Vec::loadu(o_row.data() + d);
+        delta[t] = _mm512_reduce_add_ps(sum);
+      }
+      std::fill(dkt.begin(), dkt.end(), 0.0f);
+      std::fill(dvt.begin(), dvt.end(), 0.0f);
+      const float* LSE = lse.const_data_ptr<float>() + bh * n;
+      for (int64_t i0 = 0; i0 < n; i0 += Q_ROWS) {
+        const int64_t rows = std::min(Q_ROWS, n - i0), keys = i0 + Q_ROWS;
+        gemm(rows, keys, D, Q.rows + i0 * Q.ld, Q.ld, kt.data(), T, s.data(), T, false);
+        gemm(rows, keys, D, dO.rows + i0 * dO.ld, dO.ld, vt.data(), T, dp.data(), T, false);
+        for (int64_t r = 0; r < Q_ROWS; ++r) {
+          float* prow = s.data() + r * T;
+          float* dsrow = dp.data() + r * T;
+          if (r < rows) {
+            std::fill(prow + i0 + r + 1, prow + keys, MASKED);
+            const Vec lse_r(LSE[i0 + r]), delta_r(delta[i0 + r]);
+            for (int64_t c = 0; c < keys; c += Vec::size()) {
+              const Vec pc = (Vec::loadu(prow + c) * Vec(scale) - lse_r).exp_u20();
+              store_bf16(pc, p.data() + (r % 2) * T + c);
+              store_bf16((Vec::loadu(dsrow + c) - delta_r) * pc * Vec(scale), ds.data() + r * T + c);
+            }
+          } else {  // the last block's rows past n
+            std::fill(p.data() + (r % 2) * T, p.data() + (r % 2) * T + keys, BFloat16(0.0f));
+            std::fill(ds.data() + r * T, ds.data() + r * T + keys, BFloat16(0.0f));
+          }
+          if (r % 2 == 1) {  // rows r-1 and r as VNNI pairs
+            interleave(p.data(), p.data() + T, keys, p_vnni.data() + (r - 1) * T);
+            interleave(ds.data() + (r - 1) * T, ds.data() + r * T, keys, ds_vnni.data() + (r - 1) * T);
+          }
+        }
+        gemm(rows, D, keys, ds.data(), T, kv.data(), D, dqi.data(), D, false);
+        for (int64_t r = 0; r < rows; ++r)
+          at::vec::convert(dqi.data() + r * D, dq.data_ptr<BFloat16>() + ((b * n + i0 + r) * H + h) * D, D);
+        gemm(D, keys, Q_ROWS, qt.data() + i0, T, ds_vnni.data(), T, dkt.data(), T, true);
+        gemm(D, keys, Q_ROWS, dot.data() + i0, T, p_vnni.data(), T, dvt.data(), T, true);
+      }
+      for (auto [grad_t, grad] : {std::pair(dkt.data(), &dk), std::pair(dvt.data(), &dv)})
+        for (int64_t t0 = 0; t0 < n; t0 += 16) {  // (D, T) fp32 -> 16 rows of D at a time -> bf16 rows of the output
+          for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            const uint32_t* block[16];
+            for (int i = 0; i < 16; ++i) block[i] = reinterpret_cast<const uint32_t*>(grad_t + (d0 + i) * T + t0);
+            transpose16(block, reinterpret_cast<uint32_t*>(grad_rows.data()) + d0, D);
+          }
+          for (int64_t t = t0; t < std::min(t0 + 16, n); ++t)
+            at::vec::convert(grad_rows.data() + (t - t0) * D, grad->data_ptr<BFloat16>() + ((b * n + t) * H + h) * D, D);
+        }
+    }
+    at::native::cpublas::brgemm_release(true);
+  });
+  return {dq, dk, dv};
+}
+
+bool available() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+TORCH_LIBRARY(gpt2cpu, m) {
+  m.def("attention_forward(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor)");
+  m.def("attention_backward(Tensor d_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse) -> (Tensor, Tensor, Tensor)");
+  m.def("attention_available() -> bool", &available);
+}
+
+TORCH_LIBRARY_IMPL(gpt2cpu, CPU, m) {
+  m.impl("attention_forward", &forward);
+  m.impl("attention_backward", &backward);
+}

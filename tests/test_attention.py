@@ -1,0 +1,98 @@
+"""plumbing/attention.py: our causal attention kernel (attention.cpp, CPUs with AMX) computes what
+F.scaled_dot_product_attention does, as closely as it does (both against an fp64 reference), forward and backward, at
+GPT-2's head size, through torch.compile too; and the run picks the faster of the two by measuring both.
+
+Without AMX the kernel cannot run: those tests skip, saying so, and the choice is PyTorch's (tested here everywhere)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plumbing import attention
+
+AMX = bool(attention.kernel())
+needs_amx = pytest.mark.skipif(not AMX, reason="attention.cpp needs a CPU with AMX (amx_bf16) and a C++ compiler")
+
+
+def qkv_views(B, H, T, D, seed=0):
+    """q, k, v as the model makes them: (B, H, T, D) views of one (B, T, 3 H D) tensor, bf16, requiring grad."""
+    qkv = torch.randn(B, T, 3 * H * D, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    return [t.view(B, T, H, D).transpose(1, 2).detach().requires_grad_() for t in qkv.split(H * D, dim=2)]
+
+
+def forward_backward(attend, q, k, v, grad):
+    for t in (q, k, v):
+        t.grad = None
+    out = attend(q, k, v)
+    out.backward(grad)
+    return [out.detach().double(), q.grad.double(), k.grad.double(), v.grad.double()]
+
+
+@needs_amx
+@pytest.mark.parametrize("B,H,T", [(2, 3, 200), (1, 2, 1024)])
+def test_the_kernel_is_as_close_to_fp64_as_sdpa(B, H, T):
+    """Output and the three gradients, against fp64 attention: within 1.5x of SDPA's own bf16 error (max and relative
+    norm). T 200 leaves a partial last block of 64 queries; T 1024 is GPT-2's context."""
+    q, k, v = qkv_views(B, H, T, 64)
+    grad = torch.randn(B, H, T, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    ours = forward_backward(attention.causal_attention, q, k, v, grad)
+    theirs = forward_backward(sdpa, q, k, v, grad)
+    exact = forward_backward(sdpa, *[t.detach().double().requires_grad_() for t in (q, k, v)], grad.double())
+    for name, a, b, ref in zip(("out", "dq", "dk", "dv"), ours, theirs, exact):
+        ours_err, sdpa_err = (a - ref).abs().max().item(), (b - ref).abs().max().item()
+        assert ours_err <= 1.5 * sdpa_err + 1e-3, f"{name}: max error {ours_err:.2e} vs SDPA's {sdpa_err:.2e}"
+        ours_rel, sdpa_rel = ((a - ref).norm() / ref.norm()).item(), ((b - ref).norm() / ref.norm()).item()
+        assert ours_rel <= 1.5 * sdpa_rel, f"{name}: relative error {ours_rel:.2e} vs SDPA's {sdpa_rel:.2e}"
+
+
+@needs_amx
+def test_the_kernel_trains_a_model_like_sdpa_eager_and_compiled(monkeypatch):
+    """One bf16 step of a GPT (2 layers, 128 wide, heads of 64) with the kernel chosen and with SDPA: the same loss and
+    gradients up to bf16 rounding; compiled, the kernel gives what it gives eagerly (its fake shapes and gradient
+    formula are what torch.compile traces)."""
+    import train_gpt2
+    torch.manual_seed(0)
+    model = train_gpt2.GPT(train_gpt2.GPTConfig(block_size=256, vocab_size=512, n_layer=2, n_head=2, n_embd=128))
+    x, y = torch.randint(0, 512, (2, 256)), torch.randint(0, 512, (2, 256))
+
+    def step(m, use_kernel):
+        attention.chosen = use_kernel
+        try:
+            model.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, loss = m(x, y)
+            loss.backward()
+            return loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])
+        finally:
+            attention.chosen = False
+    (loss_sdpa, grad_sdpa), (loss_ours, grad_ours) = step(model, False), step(model, True)
+    assert abs(loss_ours - loss_sdpa) < 1e-3
+    assert ((grad_ours - grad_sdpa).norm() / grad_sdpa.norm()).item() < 2e-2
+    monkeypatch.setattr(torch._dynamo.config, "disable", False)  # (conftest.py turns torch.compile off)
+    torch._dynamo.reset()
+    loss_compiled, grad_compiled = step(torch.compile(model), True)
+    assert abs(loss_compiled - loss_ours) < 1e-3
+    assert ((grad_compiled - grad_ours).norm() / grad_ours.norm()).item() < 2e-2
+
+
+def test_the_choice_is_measured_and_said(monkeypatch):
+    """fp32, or heads the kernel does not take: PyTorch's, without measuring. bf16 on AMX: the faster, measured, and the
+    line gives both times; a kernel made slow loses. Without AMX the line says why PyTorch's."""
+    assert attention.choose("fp32", 2, 2, 64, 64) is None and not attention.chosen
+    assert attention.choose("bf16", 2, 2, 64, 16) is None and not attention.chosen
+    line = attention.choose("bf16", 2, 2, 128, 64)
+    if not AMX:
+        assert line == "attention: PyTorch's (scaled_dot_product_attention; attention.cpp's kernel needs AMX)"
+        assert not attention.chosen
+        return
+    assert line.startswith("attention: ") and " ms vs PyTorch's " in line and "(2 x 2 heads x 128 x 64)" in line
+    fast = attention.causal_attention
+
+    def slow(q, k, v):
+        import time
+        time.sleep(0.05)
+        return fast(q, k, v)
+    monkeypatch.setattr(attention, "causal_attention", slow)
+    line = attention.choose("bf16", 2, 2, 128, 64)
+    assert line.startswith("attention: PyTorch's: ") and not attention.chosen
+    attention.chosen = False
