@@ -176,10 +176,6 @@ MEASURE_ROUNDS = 5  # at least this many timed products per dtype, in turns acro
 # may run a product on fewer threads than torch has (PyTorch's bf16 fallback uses one), with a low share on
 # a quiet machine too: each dtype's products are judged against their highest share, or one thread's worth.
 UNDISTURBED = 0.75  # a product whose share reaches this fraction of its dtype's (just above) ran undisturbed
-# A product shorter than a scheduler time slice cannot have lost its cores for one, and its share is noise (thread
-# wake-ups, clock reads): on a quiet Xeon with AMX a bf16 product at the demo's width takes ~70 microseconds, and
-# judging those shares said "this machine is busy" every start. Such products are not judged.
-JUDGED = 1e-3  # seconds
 LONGER = 1.0  # seconds of products a disturbed measurement may go on for
 
 def rate_key(dtype, width):
@@ -245,7 +241,7 @@ def measure_in_turns(dtypes, width, seconds=0.05, time_product=None, longer=0.0)
         full = max((top[d] for d in turns), default=1.0) >= UNDISTURBED  # some product had all its threads on a CPU
         return {d: max(1 / threads, min(1.0, top[d])) if full else 1.0 for d in dtypes}  # (else none did: all)
     def busy():  # some dtype's fastest product lost its cores for a while
-        return any(fastest[d][0] >= JUDGED and fastest[d][1] < UNDISTURBED * undisturbed()[d] for d in turns)
+        return any(fastest[d][1] < UNDISTURBED * undisturbed()[d] for d in turns)
     rounds, spent = 0, 0.0
     while turns and rounds < 1000 and (rounds < MEASURE_ROUNDS or spent < 2 * seconds or (spent < longer and busy())):
         for dtype in turns:

@@ -265,15 +265,6 @@ def test_a_product_the_library_runs_on_fewer_threads_is_not_taken_for_a_busy_mac
     assert measured.busy and fake.seconds >= cpu.LONGER
 
 
-def test_products_too_short_to_lose_a_time_slice_are_not_taken_for_a_busy_machine(cache, monkeypatch, two_threads):
-    # a quiet Xeon with AMX at the demo's width: bf16's 1024-row product takes 70 microseconds, fp32's 0.5 ms, and
-    # their threads' shares are noise at that length (here half): judged, they said "busy" at every start
-    fake = on_cpu(monkeypatch, True, {BF16: 2000.0, FP32: 300.0}, width=128, ran=lambda i, dtype: 0.5)
-    measured = cpu.measure_in_turns((BF16, FP32), 128, time_product=fake.time_product, longer=cpu.LONGER)
-    assert not measured.busy
-    assert speedups.resolve_dtype("auto", "cpu", 128)[1].endswith("measured now; --dtype fp32 for full precision)")
-
-
 def test_a_size_cut_short_by_a_product_that_lost_its_cores_grows_back(cache, monkeypatch, two_threads):
     # bf16's 64-row product lost its cores for 20 ms, as if 64 rows were too many to grow from: measured at 64
     # rows (a product of 20 microseconds, mostly call overhead on a real CPU), bf16's rate would be too low.
