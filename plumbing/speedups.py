@@ -151,38 +151,39 @@ def ipex_for_dtype(ipex, mode, dtype, bf16_weights):
                          "which this CPU lacks; pass --dtype auto (fp32 here), or --ipex off")
     return None
 
-# IPEX 2.8's bf16 weight gradients are wrong at GPT-2's width once a micro-step holds more than about 2,500 rows
-# (B x T). Measured on an Intel Xeon with AMX (2 cores), one ipex.optimize'd Linear(768, 3072) under autocast against
-# PyTorch's: the norm of its weight gradient is right at 2,048 and 2,049 rows, 5.7-5.9x too large at 3,000, 4,095,
-# 4,096 and 8,192; Linear(768, 768) 2.9x at 4,096; Linear(64, 64) and (128, 512) right at 4,096 (so a tiny test model
-# never shows it). The loss stays right: only the training goes wrong (GPT-2 (124M), B 4 x T 1024: norm 38.1 against
-# 7.2). It is IPEX's own kernel, so the trainer checks it at the run's shapes before IPEX trains anything.
-IPEX_GRAD_TOLERANCE = 0.02  # bf16 rounding moves a weight gradient's norm by well under this (measured: 0.0001)
+# IPEX 2.8's bf16 gradients, measured on an Intel Xeon with AMX (2 cores) against PyTorch's under the same autocast:
+# - its Linear weight gradients go wrong at GPT-2's width once a micro-step holds more than about 2,500 rows (B x T):
+#   the norm of Linear(768, 3072)'s is right at 2,048 and 2,049 rows, 5.7-5.9x too large at 3,000, 4,095, 4,096 and
+#   8,192; Linear(768, 768)'s 2.9x at 4,096; Linear(64, 64)'s and (128, 512)'s right at 4,096 (a tiny test model never
+#   shows it). GPT-2 (124M) at B 4 x T 1024: the loss right, the gradient norm 38.1 against 7.2.
+# - at 2,048 rows, where those are right, the first LayerNorm of each block gets a bias gradient 23-25% smaller than
+#   PyTorch's (its weight's 0.2-6%); the second LayerNorm's and every other parameter's agree to 0.2%.
+# It is IPEX's own kernels, so before IPEX trains, a block of the model is run both ways at the run's shapes and
+# every parameter's gradient compared.
+IPEX_GRAD_TOLERANCE = 0.02  # bf16 rounding moves a gradient's norm by well under this here (measured: 0.002)
 
-def ipex_gradient_error(ipex, width, rows, dtype):
-    """The largest relative error of IPEX's weight-gradient norm against PyTorch's over a block's four Linear shapes,
-    (width -> 3 width, width, 4 width; 4 width -> width), at `rows` rows in `dtype` ('bf16' or 'fp32'). The random
-    numbers come from a generator of its own, so the run's stay as they were."""
+def ipex_gradient_error(ipex, block, batch_size, seq_len, dtype):
+    """(the largest relative difference between the norms of a parameter's gradient with ipex.optimize and without,
+    that parameter's name) for one forward and backward of a copy of `block` at (batch_size, seq_len) in `dtype`
+    ('bf16' or 'fp32'). Its random numbers come from a generator of its own: the run's stay as they were."""
     import copy
-    generator, worst = torch.Generator().manual_seed(0), 0.0
-    for n_in, n_out in ((width, 3 * width), (width, width), (width, 4 * width), (4 * width, width)):
-        x, grad = torch.randn(rows, n_in, generator=generator), torch.randn(rows, n_out, generator=generator)
-        layer = torch.nn.Sequential(torch.nn.Linear(n_in, n_out))
-        with torch.no_grad():
-            layer[0].weight.normal_(0.0, 0.02, generator=generator)
-        norms = []
-        for use_ipex in (False, True):
-            model = copy.deepcopy(layer)
-            optimizer = torch.optim.AdamW(model.parameters())
-            if use_ipex:
-                model, optimizer = ipex.optimize(model, optimizer=optimizer, inplace=True,
-                                                 dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
-            with autocast(dtype, "cpu"):
-                out = model(x)
-            out.float().backward(grad)
-            norms.append(model[0].weight.grad.float().norm().item())
-        worst = max(worst, abs(norms[1] / norms[0] - 1))
-    return worst
+    generator, width = torch.Generator().manual_seed(0), block.ln_1.normalized_shape[0]
+    x = torch.randn(batch_size, seq_len, width, generator=generator)
+    grad = torch.randn(batch_size, seq_len, width, generator=generator)
+    norms = []
+    for use_ipex in (False, True):
+        model = copy.deepcopy(block)
+        names = {id(p): name for name, p in model.named_parameters()}  # (IPEX swaps modules: names by tensor)
+        optimizer = torch.optim.AdamW(model.parameters())
+        if use_ipex:
+            model, optimizer = ipex.optimize(model, optimizer=optimizer, inplace=True,
+                                             dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+        with autocast(dtype, "cpu"):
+            out = model(x)
+        out.float().backward(grad)
+        norms.append({name: p.grad.float().norm().item() for name, p in model.named_parameters() if p.grad is not None})
+        del names
+    return max((abs(norms[1][name] / norm - 1), name) for name, norm in norms[0].items() if norm > 0)
 
 def time_block(block, batch_size, seq_len, dtype, turns=3):
     """block(x) forward and backward, its best of `turns` after a first (which compiles, where it is compiled)."""
@@ -202,16 +203,20 @@ def decide_ipex(ipex, mode, dtype, block, batch_size, seq_len, compile, ranks):
     ipex.optimize against as the trainer would run it without (torch.compile'd if `compile`). Every rank must agree:
     IPEX only if all choose it. Returns (IPEX or None, the line that says why)."""
     import copy
-    rows, width = batch_size * seq_len, block.ln_1.normalized_shape[0]
-    error = ipex_gradient_error(ipex, width, rows, dtype)
+    error, name = ipex_gradient_error(ipex, block, batch_size, seq_len, dtype)
     if error > IPEX_GRAD_TOLERANCE:
-        why = (f"IPEX {ipex.__version__}'s {dtype} weight gradients are off by {100 * error:.0f}% at this run's "
-               f"{batch_size} x {seq_len} = {rows} rows a micro-step (its kernels are right below about 2,500)")
+        why = (f"IPEX {ipex.__version__}'s {dtype} gradients are wrong at this run's {batch_size} x {seq_len} rows a "
+               f"micro-step: a block's {name} off by {100 * error:.0f}% against PyTorch's")
         if mode == "on":
             raise SystemExit(f"error: --ipex on: {why}; pass a smaller --batch_size, or --ipex off")
         use, line = False, f"ipex: not used: {why}"
     elif mode == "on":
-        use, line = True, "ipex: used (--ipex on; its gradients checked at this run's shapes)"
+        use, line = True, "ipex: used (--ipex on; a block's gradients checked at this run's shapes)"
+        if dtype == "bf16":
+            line = f"warning: {line}, but IPEX's bf16 LayerNorm gradients were measured wrong in GPT-2 (docs/performance.md)"
+    elif dtype == "bf16":
+        use, line = False, ("ipex: not used: its bf16 gradients were measured wrong in GPT-2 (the first LayerNorm's bias "
+                            "25% off at any batch, docs/performance.md); --ipex on forces it")
     else:
         plain = compile_model(copy.deepcopy(block)) if compile else copy.deepcopy(block)
         ipex_block = copy.deepcopy(block)  # (training mode: IPEX wants the optimizer too, for its master weights)
