@@ -184,7 +184,7 @@ def test_bench_runs_tiny(tmp_path):
     out = proc.stdout
     a_dtype = "bf16" if "A: eager,chunked,keep,bf16," in out else "fp32"
     assert f"A: eager,chunked,keep,{a_dtype},loss_chunk=48,threads=1" in out, out
-    assert f"A  eager,chunked,keep,{a_dtype},loss_chunk=48,threads=1" in out and "B  eager,full,release,fp32,threads=1" in out
+    assert f"A  eager,chunked,keep,{a_dtype},loss_chunk=48,threads=1" in out and "B  eager,full,release,fp32,attention=sdpa,threads=1" in out
     assert f"; dtype: {a_dtype} (" in out and "; dtype: fp32 (--dtype fp32;" in out  # each worker says why
     assert "cpu: " in out and "native bf16: " in out  # the CPU every figure comes from
     assert f"of this CPU's {a_dtype} matmul rate" in out and "of this CPU's fp32 matmul rate" in out
