@@ -38,11 +38,21 @@ def choose(dtype, batch_size, n_head, seq_len, head_size, ranks=None):
     chosen = False
     if dtype != "bf16" or head_size % 32:
         return None
-    if not kernel():
+    best = measure(batch_size, n_head, seq_len, head_size) if kernel() else None
+    ours_faster = float(best is not None and best["ours"] < best["sdpa"])
+    if ranks is not None and ranks.world_size > 1:  # (a collective: every rank with bf16 gets here, AMX or not)
+        ours_faster = ranks.all_reduce_sum(torch.tensor(ours_faster, device=ranks.device)).item() == ranks.world_size
+    chosen = bool(ours_faster)
+    if best is None:
         return "attention: PyTorch's (scaled_dot_product_attention; attention.cpp's kernel needs AMX)"
-    shape = (batch_size, seq_len, 3, n_head, head_size)
-    qkv = torch.randn(shape, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
-    q, k, v = (t.transpose(1, 2).requires_grad_() for t in qkv.unbind(2))
+    times = f"{1000 * best['ours']:.0f} ms vs PyTorch's {1000 * best['sdpa']:.0f} ms of CPU time"
+    return (f"attention: {'ours (attention.cpp, AMX)' if chosen else 'PyTorch' + chr(39) + 's'}: forward and backward of "
+            f"one layer ({batch_size} x {n_head} heads x {seq_len} x {head_size}) took ours {times}")
+
+def measure(batch_size, n_head, seq_len, head_size):
+    """{'ours': seconds, 'sdpa': seconds}: each one's best forward and backward at this shape, in turns."""
+    qkv = torch.randn(batch_size, seq_len, 3, n_head, head_size, generator=torch.Generator().manual_seed(0))
+    q, k, v = (t.transpose(1, 2).to(torch.bfloat16).requires_grad_() for t in qkv.unbind(2))
     grad = torch.ones(batch_size, n_head, seq_len, head_size, dtype=torch.bfloat16)
     best = {"ours": math.inf, "sdpa": math.inf}
     ways = {"ours": causal_attention, "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
@@ -51,13 +61,7 @@ def choose(dtype, batch_size, n_head, seq_len, head_size, ranks=None):
             start = time.process_time()
             attend(q, k, v).backward(grad)
             best[name] = min(best[name], time.process_time() - start)
-    ours_faster = float(best["ours"] < best["sdpa"])
-    if ranks is not None and ranks.world_size > 1:  # (a collective: every rank with bf16 gets here)
-        ours_faster = ranks.all_reduce_sum(torch.tensor(ours_faster)).item() == ranks.world_size
-    chosen = bool(ours_faster)
-    times = f"{1000 * best['ours']:.0f} ms vs PyTorch's {1000 * best['sdpa']:.0f} ms of CPU time"
-    return (f"attention: {'ours (attention.cpp, AMX)' if chosen else 'PyTorch' + chr(39) + 's'}: forward and backward of "
-            f"one layer ({batch_size} x {n_head} heads x {seq_len} x {head_size}) took ours {times}")
+    return best
 
 MEASURE_TURNS = 3
 
