@@ -9,7 +9,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from plumbing import cache_dir, cpu
+from plumbing import cache_dir, cpu, one_line
 
 # Why a kernel of our own. On an Intel Xeon with AMX (2 cores), a GPT-2 (124M) step in bf16 spent 27% of its time in
 # PyTorch's CPU flash attention for a tenth of its FLOPs: forward and backward of one layer (B 4, 12 heads, T 1024,
@@ -44,7 +44,7 @@ def choose(dtype, batch_size, n_head, seq_len, head_size, ranks=None):
         ours_faster = ranks.all_reduce_sum(torch.tensor(ours_faster, device=ranks.device)).item() == ranks.world_size
     chosen = bool(ours_faster)
     if best is None:
-        return "attention: PyTorch's (scaled_dot_product_attention; attention.cpp's kernel needs AMX)"
+        return f"attention: PyTorch's (scaled_dot_product_attention; {why_not})"
     times = f"{1000 * best['ours']:.0f} ms vs PyTorch's {1000 * best['sdpa']:.0f} ms of CPU time"
     return (f"attention: {'ours (attention.cpp, AMX)' if chosen else 'PyTorch' + chr(39) + 's'}: forward and backward of "
             f"one layer ({batch_size} x {n_head} heads x {seq_len} x {head_size}) took ours {times}")
@@ -65,14 +65,14 @@ def measure(batch_size, n_head, seq_len, head_size):
 
 MEASURE_TURNS = 3
 
-Q_ROWS = 64  # attention.cpp's query block: T is padded to a multiple
-
 _kernel = None  # whether attention.cpp is loaded (None: not tried yet)
+why_not = "attention.cpp's kernel needs AMX"  # what kernel() found, when it could not load the kernel
 
 def kernel():
     """True once attention.cpp is compiled for this CPU and loaded (torch.utils.cpp_extension, cached on disk like
-    torch.compile's kernels); False where it cannot run: no AMX (its VNNI brgemm needs it), no C++ compiler."""
-    global _kernel
+    torch.compile's kernels); False where it cannot run (no AMX: its VNNI brgemm needs it) or be built (no C++
+    compiler), and then why_not says why."""
+    global _kernel, why_not
     if _kernel is None:
         _kernel = False
         if cpu.has_amx() and torch.backends.mkldnn.is_available():
@@ -80,10 +80,15 @@ def kernel():
             build = cache_dir("extensions", torch.__version__)  # (a build is for one torch: two venvs, two builds)
             os.makedirs(build, exist_ok=True)
             source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention.cpp")
-            cpp_extension.load("gpt2cpu_attention", [source], build_directory=build,
-                               extra_cflags=["-O3", "-march=native", "-fno-strict-aliasing", "-DCPU_CAPABILITY=AVX512",
-                                             "-DCPU_CAPABILITY_AVX512"], is_python_module=False, verbose=False)
+            try:
+                cpp_extension.load("gpt2cpu_attention", [source], build_directory=build, is_python_module=False,
+                                   extra_cflags=["-O3", "-march=native", "-fno-strict-aliasing",
+                                                 "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"])
+            except (OSError, RuntimeError, ImportError) as e:  # no compiler, no ninja, ...: PyTorch's attention runs
+                why_not = f"attention.cpp's kernel could not be built: {one_line(e)}"
+                return False
             _kernel = torch.ops.gpt2cpu.attention_available()
+            why_not = "oneDNN has no AMX brgemm here"
             # what torch.compile needs to trace through the ops (their outputs' shapes), and their gradient
             torch.library.register_fake("gpt2cpu::attention_forward", _forward_shapes)
             torch.library.register_fake("gpt2cpu::attention_backward", _backward_shapes)

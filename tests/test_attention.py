@@ -82,7 +82,7 @@ def test_the_choice_is_measured_and_said(monkeypatch):
     assert attention.choose("bf16", 2, 2, 64, 16) is None and not attention.chosen
     line = attention.choose("bf16", 2, 2, 128, 64)
     if not AMX:
-        assert line == "attention: PyTorch's (scaled_dot_product_attention; attention.cpp's kernel needs AMX)"
+        assert line == f"attention: PyTorch's (scaled_dot_product_attention; {attention.why_not})"
         assert not attention.chosen
         return
     assert line.startswith("attention: ") and " ms vs PyTorch's " in line and "(2 x 2 heads x 128 x 64)" in line
