@@ -110,13 +110,38 @@ def init_adapters(model, seed=0):
 
 def merge(model):
     """W += (alpha / R) B A in every adapted layer, which becomes a plain Linear again: the model for inference."""
-    with torch.no_grad():
-        for _, linear in adapted(model):
-            delta = (linear.lora_B.float() @ linear.lora_A.float()) * linear.lora_scale
-            linear.weight += delta.to(linear.weight.dtype)
-            del linear.lora_A, linear.lora_B, linear.lora_scale
-            linear.__class__ = nn.Linear
+    for _, linear in adapted(model):
+        add_to_weight(linear.weight, linear.lora_B, linear.lora_A, linear.lora_scale)
+        del linear.lora_A, linear.lora_B, linear.lora_scale
+        linear.__class__ = nn.Linear
     return model
+
+def merge_saved(model, saved, scale):
+    """A LoRA checkpoint's adapters (saved: {name: tensor}, adapters()' names) merged into the plain model that holds
+    their base (sharded or not, in any dtype), layer after layer: W += scale B A. Returns the model."""
+    modules = dict(model.named_modules())
+    for name in [n for n in saved if n.endswith(".lora_A")]:
+        layer = name[:-len(".lora_A")]
+        add_to_weight(modules[layer].weight, saved[layer + ".lora_B"], saved[name], scale)
+    return model
+
+def add_to_weight(weight, B, A, scale):
+    """weight += scale B A, the sum taken in fp32 and rounded once to weight's dtype; a sharded weight (a DTensor)
+    adds just its piece."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    with torch.no_grad():
+        delta = scale * (B.detach().float() @ A.detach().float())
+        if isinstance(weight, DTensor):
+            weight, delta = weight.to_local(), distribute_tensor(delta, weight.device_mesh, weight.placements,
+                                                                 src_data_rank=None).to_local()
+        weight.copy_((weight.float() + delta).to(weight.dtype))
+
+def adapter_shapes(config, rank, targets):
+    """{name: shape} of the adapters add_adapters gives a GPT of this config: what a sharded checkpoint is asked for."""
+    sizes = {"attn": (config.n_embd, 3 * config.n_embd), "proj": (config.n_embd, config.n_embd),
+             "fc": (config.n_embd, 4 * config.n_embd), "mlp_proj": (4 * config.n_embd, config.n_embd)}
+    return {f"transformer.h.{i}.{TARGETS[t]}.{part}": (rank, sizes[t][0]) if part == "lora_A" else (sizes[t][1], rank)
+            for i in range(config.n_layer) for t in targets for part in ("lora_A", "lora_B")}
 
 def adapters(model):
     """{name: tensor} of the adapters alone: what a LoRA checkpoint holds of the model."""
