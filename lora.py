@@ -30,7 +30,12 @@ class LoRALinear(nn.Linear):
     its weight and bias stay the same tensors, under the same names."""
 
     def forward(self, x):
-        return LoRAProduct.apply(x, self.weight, self.bias, self.lora_A, self.lora_B, self.lora_scale)
+        if torch.is_grad_enabled() or x.numel() // x.size(-1) * (self.in_features + self.out_features) >= \
+                self.in_features * self.out_features:
+            return LoRAProduct.apply(x, self.weight, self.bias, self.lora_A, self.lora_B, self.lora_scale)
+        # No gradient, and fewer tokens than the layer's width (generating: one token a forward): making W + s B A
+        # costs R times a token's product with W, so the adapters go beside W instead, two thin products (peft's way)
+        return F.linear(x, self.weight, self.bias) + self.lora_scale * F.linear(F.linear(x, self.lora_A), self.lora_B)
 
 # How the adapters compute. Written as it reads, x Wᵀ + b + s (x Aᵀ) Bᵀ runs six thin matrix products (one side 16
 # wide) besides the base's two, forward and backward, each reading a whole (tokens x width) activation or gradient
@@ -54,10 +59,12 @@ class LoRAProduct(torch.autograd.Function):
         x, weight, A, B = ctx.saved_tensors
         g = grad.reshape(-1, grad.size(-1))  # (tokens, out), in the dtype the forward's matmuls ran in: so is the rest
         x, A, B = x.reshape(-1, x.size(-1)).to(g.dtype), A.to(g.dtype), B.to(g.dtype)
-        grad_x = g @ merged(weight.to(g.dtype), A, B, ctx.scale)
+        # (x's gradient only where something before needs it: not for the first block's c_attn on a frozen base)
+        grad_x = (g @ merged(weight.to(g.dtype), A, B, ctx.scale)).view(grad.shape[:-1] + (-1,)) \
+            if ctx.needs_input_grad[0] else None
         grad_A = ctx.scale * (g @ B).t() @ x   # dL/dA = s (g B)ᵀ x
         grad_B = ctx.scale * g.t() @ (x @ A.t())   # dL/dB = s gᵀ (x Aᵀ)
-        return grad_x.view(grad.shape[:-1] + (-1,)), None, None, grad_A, grad_B, None  # (autograd casts to A's dtype)
+        return grad_x, None, None, grad_A, grad_B, None  # (autograd casts to A's dtype)
 
 def merged(weight, A, B, scale):
     """W + scale B A, in W's dtype."""
