@@ -9,7 +9,7 @@ import os
 
 import dataloader
 import lora
-from plumbing import cache_dir
+from plumbing import cache_dir, one_line
 from plumbing.checkpoints import list_checkpoints, load_checkpoint
 from plumbing.inputs import find_shards
 
@@ -191,7 +191,10 @@ def base_context(args):
     meta = os.path.join(args.init_from, "meta.pt") if os.path.isdir(args.init_from) else args.init_from
     if os.path.isfile(meta):  # (mmap: the weights are not read)
         import torch
-        return torch.load(meta, map_location="cpu", weights_only=True, mmap=True)["config"]["block_size"]
+        try:
+            return torch.load(meta, map_location="cpu", weights_only=True, mmap=True)["config"]["block_size"]
+        except Exception as e:
+            raise SystemExit(f"error: --init_from {args.init_from}: cannot read its config ({one_line(e)})")
     return 1024
 
 def check_args(args, world_size):

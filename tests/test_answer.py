@@ -191,11 +191,10 @@ def test_answer_key():
 
 def test_task_accuracy_from_a_task_folder_uses_its_regex(tmp_path):
     model = tiny_model(1)
-    prompts = [f"Sum {i}:" for i in range(4)]
-    got = [decode(greedy_reference(model, enc(p), 4)) for p in prompts]
+    got = [decode(greedy_reference(model, enc(f"Sum {i}:"), 4)) for i in range(4)]
     assert all(g.split() for g in got)   # (this seed's answers each have a first word)
     # expected: the model's first word, then more: right by the task's regex (the first word), wrong by exact match
-    rows = [{"prompt": p, "completion": f" {g.split()[0]} and then some"} for p, g in zip(prompts, got)]
+    rows = [{"prompt": f"Sum {i}:", "completion": f" {g.split()[0]} and then some"} for i, g in enumerate(got)]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     prepare("--input", src, "--val_input", src, "--output_dir", tmp_path / "t", "--answer_regex", r"^\s*(\S+)")
     accuracy, results = answer.task_accuracy(model, str(tmp_path / "t"), max_new_tokens=4)
