@@ -30,7 +30,12 @@ class LoRALinear(nn.Linear):
     its weight and bias stay the same tensors, under the same names."""
 
     def forward(self, x):
-        return LoRAProduct.apply(x, self.weight, self.bias, self.lora_A, self.lora_B, self.lora_scale)
+        if torch.is_grad_enabled() or x.numel() // x.size(-1) * (self.in_features + self.out_features) >= \
+                self.in_features * self.out_features:
+            return LoRAProduct.apply(x, self.weight, self.bias, self.lora_A, self.lora_B, self.lora_scale)
+        # No gradient, and fewer tokens than the layer's width (generating: one token a forward): making W + s B A
+        # costs R times a token's product with W, so the adapters go beside W instead, two thin products (peft's way)
+        return F.linear(x, self.weight, self.bias) + self.lora_scale * F.linear(F.linear(x, self.lora_A), self.lora_B)
 
 # How the adapters compute. Written as it reads, x Wᵀ + b + s (x Aᵀ) Bᵀ runs six thin matrix products (one side 16
 # wide) besides the base's two, forward and backward, each reading a whole (tokens x width) activation or gradient
@@ -54,10 +59,12 @@ class LoRAProduct(torch.autograd.Function):
         x, weight, A, B = ctx.saved_tensors
         g = grad.reshape(-1, grad.size(-1))  # (tokens, out), in the dtype the forward's matmuls ran in: so is the rest
         x, A, B = x.reshape(-1, x.size(-1)).to(g.dtype), A.to(g.dtype), B.to(g.dtype)
-        grad_x = g @ merged(weight.to(g.dtype), A, B, ctx.scale)
+        # (x's gradient only where something before needs it: not for the first block's c_attn on a frozen base)
+        grad_x = (g @ merged(weight.to(g.dtype), A, B, ctx.scale)).view(grad.shape[:-1] + (-1,)) \
+            if ctx.needs_input_grad[0] else None
         grad_A = ctx.scale * (g @ B).t() @ x   # dL/dA = s (g B)ᵀ x
         grad_B = ctx.scale * g.t() @ (x @ A.t())   # dL/dB = s gᵀ (x Aᵀ)
-        return grad_x.view(grad.shape[:-1] + (-1,)), None, None, grad_A, grad_B, None  # (autograd casts to A's dtype)
+        return grad_x, None, None, grad_A, grad_B, None  # (autograd casts to A's dtype)
 
 def merged(weight, A, B, scale):
     """W + scale B A, in W's dtype."""
@@ -110,13 +117,38 @@ def init_adapters(model, seed=0):
 
 def merge(model):
     """W += (alpha / R) B A in every adapted layer, which becomes a plain Linear again: the model for inference."""
-    with torch.no_grad():
-        for _, linear in adapted(model):
-            delta = (linear.lora_B.float() @ linear.lora_A.float()) * linear.lora_scale
-            linear.weight += delta.to(linear.weight.dtype)
-            del linear.lora_A, linear.lora_B, linear.lora_scale
-            linear.__class__ = nn.Linear
+    for _, linear in adapted(model):
+        add_to_weight(linear.weight, linear.lora_B, linear.lora_A, linear.lora_scale)
+        del linear.lora_A, linear.lora_B, linear.lora_scale
+        linear.__class__ = nn.Linear
     return model
+
+def merge_saved(model, saved, scale):
+    """A LoRA checkpoint's adapters (saved: {name: tensor}, adapters()' names) merged into the plain model that holds
+    their base (sharded or not, in any dtype), layer after layer: W += scale B A. Returns the model."""
+    modules = dict(model.named_modules())
+    for name in [n for n in saved if n.endswith(".lora_A")]:
+        layer = name[:-len(".lora_A")]
+        add_to_weight(modules[layer].weight, saved[layer + ".lora_B"], saved[name], scale)
+    return model
+
+def add_to_weight(weight, B, A, scale):
+    """weight += scale B A, the sum taken in fp32 and rounded once to weight's dtype; a sharded weight (a DTensor)
+    adds just its piece."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    with torch.no_grad():
+        delta = scale * (B.detach().float() @ A.detach().float())
+        if isinstance(weight, DTensor):
+            weight, delta = weight.to_local(), distribute_tensor(delta, weight.device_mesh, weight.placements,
+                                                                 src_data_rank=None).to_local()
+        weight.copy_((weight.float() + delta).to(weight.dtype))
+
+def adapter_shapes(config, rank, targets):
+    """{name: shape} of the adapters add_adapters gives a GPT of this config: what a sharded checkpoint is asked for."""
+    sizes = {"attn": (config.n_embd, 3 * config.n_embd), "proj": (config.n_embd, config.n_embd),
+             "fc": (config.n_embd, 4 * config.n_embd), "mlp_proj": (4 * config.n_embd, config.n_embd)}
+    return {f"transformer.h.{i}.{TARGETS[t]}.{part}": (rank, sizes[t][0]) if part == "lora_A" else (sizes[t][1], rank)
+            for i in range(config.n_layer) for t in targets for part in ("lora_A", "lora_B")}
 
 def adapters(model):
     """{name: tensor} of the adapters alone: what a LoRA checkpoint holds of the model."""

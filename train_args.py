@@ -9,7 +9,7 @@ import os
 
 import dataloader
 import lora
-from plumbing import cache_dir
+from plumbing import cache_dir, one_line
 from plumbing.checkpoints import list_checkpoints, load_checkpoint
 from plumbing.inputs import find_shards
 
@@ -103,7 +103,7 @@ def finetuning_defaults(args, given, task, world_size):
     vars(args).update({k: v for k, v in FINETUNE_ARGS.items() if k not in given})
     train, longest = task["splits"]["train"], max(split["longest"] for split in task["splits"].values())
     if "seq_len" not in given:  # rows as long as the longest example (val's too), rounded up to 64
-        args.seq_len = min(-(-longest // 64) * 64, args.block_size, 1024)
+        args.seq_len = min(-(-longest // 64) * 64, base_context(args), 1024)  # (a longer val example is left out)
     if "batch_size" not in given:  # rows per micro-step and rank
         per_row = args.seq_len / (train["tokens"] / train["examples"] - 1)
         args.batch_size = max(1, round(EXAMPLES_PER_STEP / per_row / world_size))
@@ -154,7 +154,8 @@ def resolve_args(argv, ranks):
         args.demo, args.data_dir = True, cache_dir("demo")
     check_lora_resume(ckpt, ckpt_file, given)
     if args.lora:
-        args.lora_targets, args.lora_alpha = lora.parse_targets(args.lora_targets), args.lora_alpha or 2.0 * args.lora
+        args.lora_targets = lora.parse_targets(args.lora_targets)
+        args.lora_alpha = 2.0 * args.lora if args.lora_alpha is None else args.lora_alpha
     task = dataloader.read_task(args.data_dir)  # a finetune.py folder, or None: pretraining shards
     if task is not None and saved_args is None:
         ranks.print0(finetuning_defaults(args, given, task, ranks.world_size))
@@ -164,12 +165,37 @@ def resolve_args(argv, ranks):
     return args, task, ckpt, ckpt_file
 
 def check_lora_resume(ckpt, ckpt_file, given):
-    """A LoRA run is resumed with its --lora, and a full one without: one error line, before the base is loaded."""
+    """A LoRA run is resumed with its --lora, and a full one without; its adapters' targets and alpha (the scale of
+    every step so far) as they were: one error line, before the base is loaded."""
     saved = (ckpt or {}).get("lora")
     if ckpt is not None and (given.get("lora", 0) != (saved["rank"] if saved else 0)):
         raise SystemExit(f"error: --resume {ckpt_file}: " + (f"a LoRA run (--lora {saved['rank']}): resume it with --lora "
                                                              f"{saved['rank']}" if saved else "not a LoRA run: resume it "
                                                              "without --lora"))
+    targets = lora.parse_targets(given["lora_targets"]) if saved and "lora_targets" in given else None
+    if targets is not None and targets != saved["targets"]:
+        raise SystemExit(f"error: --resume {ckpt_file}: --lora_targets {','.join(targets)}, but the run's adapters are "
+                         f"on {','.join(saved['targets'])}: resume it without --lora_targets")
+    if saved and given.get("lora_alpha", saved["alpha"]) != saved["alpha"]:
+        raise SystemExit(f"error: --resume {ckpt_file}: --lora_alpha {given['lora_alpha']:g}, but the run's adapters "
+                         f"were trained at alpha {saved['alpha']:g}: resume it without --lora_alpha")
+
+def base_context(args):
+    """The context (positions) of the model a run starts from, read from its config, not its weights: --block_size
+    from scratch; a Hugging Face-layout folder's n_positions; one of our checkpoints' block_size; OpenAI's 1024."""
+    if args.init_from == "scratch":
+        return args.block_size
+    if os.path.isfile(os.path.join(args.init_from, "config.json")):
+        with open(os.path.join(args.init_from, "config.json")) as f:
+            return json.load(f)["n_positions"]
+    meta = os.path.join(args.init_from, "meta.pt") if os.path.isdir(args.init_from) else args.init_from
+    if os.path.isfile(meta):  # (mmap: the weights are not read)
+        import torch
+        try:
+            return torch.load(meta, map_location="cpu", weights_only=True, mmap=True)["config"]["block_size"]
+        except Exception as e:
+            raise SystemExit(f"error: --init_from {args.init_from}: cannot read its config ({one_line(e)})")
+    return 1024
 
 def check_args(args, world_size):
     """Every flag that can be checked alone, before anything expensive."""
@@ -189,7 +215,7 @@ def check_args(args, world_size):
     if args.threads < 0:
         raise SystemExit(f"error: --threads {args.threads} must be 0 (automatic) or positive")
     if args.lora < 0 or (args.lora and not args.lora_alpha > 0):
-        raise SystemExit(f"error: --lora {args.lora} --lora_alpha {args.lora_alpha}: the rank must be >= 0 (0: no LoRA), "
+        raise SystemExit(f"error: --lora {args.lora} --lora_alpha {args.lora_alpha:g}: the rank must be >= 0 (0: no LoRA), "
                          "alpha positive")
     if args.lora and args.ipex == "on":
         raise SystemExit("error: --ipex on with --lora: ipex.optimize replaces the Linear layers that carry the adapters; "

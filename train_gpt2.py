@@ -267,8 +267,10 @@ class GPT(nn.Module):
     def from_checkpoint(cls, ckpt, build=None):
         """The model in one of our checkpoints (see load_checkpoint); build(config) as in from_pretrained."""
         model = (build or cls)(GPTConfig(**ckpt["config"]))
-        if ckpt["sharded_path"]:
-            checkpoints.load_sharded(ckpt["sharded_path"], model)
+        if ckpt["sharded_path"]:  # (a run with --lora on it: its adapters are not in the checkpoint)
+            missing = set(model.state_dict()) - checkpoints.load_sharded(ckpt["sharded_path"], model)
+            if any(".lora_" not in k for k in missing):
+                raise SystemExit(f"error: {ckpt['sharded_path']} holds no {min(missing)}: not a whole model's checkpoint")
         else:
             for k, p in model.named_parameters():
                 if ".lora_" not in k:  # (a base for LoRA has no adapters yet)
@@ -308,20 +310,29 @@ def load_model(name_or_path, build=None, merge=True):
     """(model, task): one of our checkpoints (.pt, or .dcp from a sharded run), or what GPT.from_pretrained reads
     (gpt2..gpt2-xl, a Hugging Face-layout folder). task: the task.json dict of the data a fine-tuned model learned
     (its checkpoint's, or the folder's task.json, which export_hf.py writes); None for a plain language model.
-    A LoRA checkpoint holds its adapters, not its base: the base is loaded again, checked to be the one they were
-    trained on, and the adapters merged into it (merge=False: left beside it, for export_hf.py --adapter)."""
+    build(config, init_weights=False) makes the model the weights fill (build_model's: sharded, in bf16, with a new
+    run's adapters); default GPT. A LoRA checkpoint holds its adapters, not its base: the base is loaded again (built
+    by build), checked to be the one they were trained on, and the adapters merged into it, W + (alpha/R) B A, a
+    layer at a time: a plain GPT, as any base is (merge=False: its adapters left beside it, for export_hf.py --adapter)."""
     if os.path.isfile(name_or_path) or os.path.isfile(os.path.join(name_or_path, "meta.pt")):
         ckpt = load_checkpoint(name_or_path)
         if not ckpt.get("lora"):
             return GPT.from_checkpoint(ckpt, build), ckpt.get("task")
         spec, args = ckpt["lora"], argparse.Namespace(**ckpt["args"])
+        build = build if merge else lambda config, init_weights=False: lora.add_adapters(
+            GPT(config), spec["rank"], spec["alpha"], spec["targets"], init=False)
         torch.manual_seed(args.seed)  # (a random base is drawn again)
-        base = (load_model(args.init_from)[0] if args.init_from != "scratch" else GPT(GPTConfig(**ckpt["config"])))
-        model = lora.add_adapters(base, spec["rank"], spec["alpha"], spec["targets"], init=False)
-        lora.start(model, args, ckpt, PRETRAINED_NAMES)
-        if ckpt["sharded_path"]:
-            checkpoints.load_sharded(ckpt["sharded_path"], model)
-        return (lora.merge(model) if merge else model), ckpt.get("task")
+        base = (load_model(args.init_from, build)[0] if args.init_from != "scratch" else
+                build(GPTConfig(**ckpt["config"]), init_weights=True) if build else GPT(GPTConfig(**ckpt["config"])))
+        lora.check_base(lora.base_identity(args.init_from, base.config, args.seed, lora.base_files(
+            args.init_from, PRETRAINED_NAMES)), spec["base"], f"{name_or_path}: its base --init_from {args.init_from}")
+        saved = ckpt["model"] if not ckpt["sharded_path"] else checkpoints.read_sharded(
+            ckpt["sharded_path"], lora.adapter_shapes(base.config, spec["rank"], spec["targets"]))
+        if merge:
+            return lora.merge_saved(base, saved, spec["alpha"] / spec["rank"]), ckpt.get("task")
+        for name, p in lora.adapters(base).items():
+            sharding.copy_weight(p, saved[name])
+        return base, ckpt.get("task")
     task = dataloader.read_task(name_or_path) if os.path.isdir(name_or_path) else None
     return GPT.from_pretrained(name_or_path, build), task
 

@@ -20,6 +20,9 @@ peft  transformers' GPT2LMHeadModel.from_pretrained(BASE) (its dropout --hf_drop
       steps hold about as many, not exactly), the same learning rate at each step (train_gpt2.get_lr: linear warmup,
       cosine to min_lr), AdamW betas (0.9, 0.95), ours' weight decay on the adapters, ours' clipping, no dropout.
       What still differs: the examples' order and grouping, and A's random initial values (each side its own).
+      --same_batches (with --hf_like_ours): not those either: each step of peft's holds the examples of ours' step
+      (read from ours' task folder by our loader, with ours' seed), and peft's A starts at ours' values (drawn as
+      lora.init_adapters draws them): the two runs differ by their code alone.
 
 It prints the base's val loss and accuracy (ours' evaluation at step 0), each side's after training, and whether
 they are within --tolerance (issue 29's acceptance: 0.05 in val loss and in accuracy).
@@ -45,6 +48,7 @@ def build_parser():
     a("--hf_lora_dropout", type=float, default=0.05, help="peft's lora_dropout (default: %(default)s)")
     a("--hf_like_ours", action="store_true", help="peft at ours' hyperparameters (steps, learning rates, AdamW, "
       "weight decay, clipping; no dropout): what differs is then the loop alone")
+    a("--same_batches", action="store_true", help="with --hf_like_ours: ours' examples in each step and ours' first A")
     a("--tolerance", type=float, default=0.05, help="ours within this of peft in val loss and in accuracy: acceptance")
     p.set_defaults(hf_lr=2e-4, hf_dropout=0.0)
     return p
@@ -56,6 +60,8 @@ def parse_args(argv=None):
     if not os.path.isfile(config_file):
         raise SystemExit(f"error: --init_from {args.init_from}: not a Hugging Face-layout folder (no config.json): "
                          "export one of our checkpoints with export_hf.py")
+    if args.same_batches and not args.hf_like_ours:
+        raise SystemExit("error: --same_batches is a refinement of --hf_like_ours: give both")
     if args.hf_like_ours and args.only == "hf":
         raise SystemExit("error: --hf_like_ours reads ours' settings from its run: not with --only hf")
     with open(config_file) as f:
@@ -111,6 +117,8 @@ def run_peft(args, train, val, block_size):
     generator = torch.Generator().manual_seed(args.seed)
     stream = [i for _ in range(args.epochs) for i in torch.randperm(len(train), generator=generator).tolist()]
     batches = [stream[len(stream) * s // steps:len(stream) * (s + 1) // steps] for s in range(steps)]
+    if args.same_batches:
+        batches = ours_batches_and_first_a(args, ours, model)
     optimizer = compare.hf_optimizer(model, max_lr, ours["weight_decay"], betas=(0.9, 0.95))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: get_lr(s, warmup, steps, max_lr, min_lr) / max_lr)
     settings = (f"peft, ours' hyperparameters: {len(train)} examples x {args.epochs} epochs = {steps} steps of "
@@ -119,6 +127,24 @@ def run_peft(args, train, val, block_size):
     result = compare.hf_fit_and_score(model, train, val, batches, optimizer, schedule, args, block_size,
                                       clip=ours["grad_clip"])
     return {**result, "settings": settings}
+
+
+def ours_batches_and_first_a(args, ours, model):
+    """Each step's examples as ours' loader deals them (train_gpt2's rows, world size 1), and ours' first A copied
+    into peft's model (lora.init_adapters' draws depend on the shapes and the seed alone, not on the base)."""
+    from dataloader import TaskLoader
+    from train_gpt2 import GPT, GPTConfig
+    loader = TaskLoader(ours["data_dir"], "train", ours["batch_size"], ours["seq_len"], seed=ours["seed"])
+    rows = ours["total_batch_size"] // ours["seq_len"]
+    batches = [[i for _ in range(rows) for i in loader._next_row()] for _ in range(ours["max_steps"])]
+    drawn = lora.add_adapters(GPT(GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)), args.lora,
+                              args.lora_alpha, list(lora.TARGETS), init=False)
+    lora.init_adapters(drawn, ours["seed"])
+    theirs = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, p in lora.adapters(drawn).items():
+            theirs[f"base_model.model.{name}.default.weight"].copy_(p if "lora_A" in name else torch.zeros_like(p))
+    return batches
 
 
 def first_evaluation(work):

@@ -126,18 +126,28 @@ def save_sharded(path, model, optimizer, meta, ranks):
 
 def load_sharded(path, model, optimizer=None):
     """The weights (and AdamW state) of a sharded checkpoint, into a model sharded over any number of ranks,
-    or not sharded at all: each rank reads just the pieces it owns now (DCP reshards on load)."""
+    or not sharded at all: each rank reads just the pieces it owns now (DCP reshards on load). Without an optimizer,
+    the weights of model that the checkpoint holds (a full run's: all; a LoRA run's: its adapters): returns their names."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-    options = StateDictOptions(ignore_frozen_params=True)  # (a LoRA run's: the adapters, not the base)
-    if optimizer is None:
-        frozen = {k for k, v in model.state_dict(keep_vars=True).items() if not v.requires_grad}
-        state = {"model": {k: v for k, v in model.state_dict().items() if k not in frozen}}
+    if optimizer is None:  # what the checkpoint holds decides, not what trains in model (a base under --lora is frozen)
+        held = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        state = {"model": {k: v for k, v in model.state_dict().items() if f"model.{k}" in held}}
         dcp.load(state, checkpoint_id=path)
-        return model.load_state_dict(state["model"], strict=not frozen)
+        model.load_state_dict(state["model"], strict=False)
+        return set(state["model"])
+    options = StateDictOptions(ignore_frozen_params=True)  # (a LoRA run's: the adapters, not the base)
     model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state, options=options)
+
+def read_sharded(path, shapes):
+    """{name: the whole tensor} of a sharded checkpoint's weights (shapes: {name: shape}), read whole on every rank:
+    a LoRA run's adapters, small."""
+    import torch.distributed.checkpoint as dcp
+    state = {"model": {name: torch.empty(shape) for name, shape in shapes.items()}}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    return state["model"]
 
 def tensor_checksums(obj, prefix=""):
     """{path: CRC-32 of the tensor's bytes} for every tensor in a nested dict/list (a checkpoint).

@@ -162,8 +162,8 @@ def test_task_accuracy_against_a_plain_greedy_loop():
     assert answer.task_accuracy(model, examples, max_new_tokens=5, n=2)[0] == 1 / 2
     # the regex's first group on both sides: the odd ones now match too, the even ones still do
     first_word = r"^\s*(\S+)"
-    if all(r[2].split() for r in results):
-        assert answer.task_accuracy(model, examples, max_new_tokens=5, answer_regex=first_word)[0] == 1.0
+    assert all(r[2].split() for r in results)   # (this seed's answers each have a first word: the regex has one to find)
+    assert answer.task_accuracy(model, examples, max_new_tokens=5, answer_regex=first_word)[0] == 1.0
     # no match in the answer: wrong
     assert answer.task_accuracy(model, examples, max_new_tokens=5, answer_regex=r"(zzz\d+)")[0] == 0.0
 
@@ -191,13 +191,15 @@ def test_answer_key():
 
 def test_task_accuracy_from_a_task_folder_uses_its_regex(tmp_path):
     model = tiny_model(1)
-    rows = [{"prompt": f"Sum {i}:", "completion": f" work {i}\n#### {i}"} for i in range(4)]
+    got = [decode(greedy_reference(model, enc(f"Sum {i}:"), 4)) for i in range(4)]
+    assert all(g.split() for g in got)   # (this seed's answers each have a first word)
+    # expected: the model's first word, then more: right by the task's regex (the first word), wrong by exact match
+    rows = [{"prompt": f"Sum {i}:", "completion": f" {g.split()[0]} and then some"} for i, g in enumerate(got)]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
-    prepare("--input", src, "--val_input", src, "--output_dir", tmp_path / "t", "--answer_regex", "#### (.*)")
+    prepare("--input", src, "--val_input", src, "--output_dir", tmp_path / "t", "--answer_regex", r"^\s*(\S+)")
     accuracy, results = answer.task_accuracy(model, str(tmp_path / "t"), max_new_tokens=4)
-    assert [r[:2] for r in results] == [(r["prompt"], r["completion"]) for r in rows]
-    # a random model writes no "#### ": every answer is wrong under the task's regex
-    assert accuracy == 0.0 and all("####" not in r[2] for r in results)
+    assert [r[:2] for r in results] == [(r["prompt"], r["completion"]) for r in rows] and [r[2] for r in results] == got
+    assert accuracy == 1.0 and not any(answer.is_right(text, expected) for _, expected, text in results)
 
 
 RANK_SCRIPT = """

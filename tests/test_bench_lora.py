@@ -57,6 +57,18 @@ def test_runs_tiny_at_ours_hyperparameters(base, tmp_path):
     assert re.search(r"ours - peft: val loss [-+]\d\.\d{4}, accuracy [-+]\d\.\d{3}: (NOT )?within 0.05", out)
 
 
+def test_same_batches_and_first_a_give_ours_val_loss(base, tmp_path):
+    """--same_batches: peft's steps hold ours' examples and its A starts at ours': the two runs differ by their code
+    alone, so they end at the same val loss (their own seeds' order and A give another: the first run here)."""
+    gaps = []
+    for flags in ([], ["--same_batches"]):
+        proc = run(tmp_path / str(len(gaps)), "--init_from", base, "--hf_like_ours", "--seed", "3", "--our_flags", "--seed 3",
+                   *flags)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        gaps.append(abs(float(re.search(r"ours - peft: val loss ([-+]\d\.\d{4})", proc.stdout).group(1))))
+    assert gaps[1] <= 1e-4 < gaps[0]
+
+
 def test_runs_peft_alone_as_users_run_it(base, tmp_path):
     proc = run(tmp_path, "--init_from", base, "--only", "hf")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -65,6 +77,7 @@ def test_runs_peft_alone_as_users_run_it(base, tmp_path):
 
 def test_bad_input_is_one_error_line(base, tmp_path):
     for flags, message in ((["--init_from", str(tmp_path)], "not a Hugging Face-layout folder"),
-                           (["--init_from", base, "--hf_like_ours", "--only", "hf"], "not with --only hf")):
+                           (["--init_from", base, "--hf_like_ours", "--only", "hf"], "not with --only hf"),
+                           (["--init_from", base, "--same_batches"], "--same_batches is a refinement of --hf_like_ours")):
         proc = run(tmp_path, *flags)
         assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

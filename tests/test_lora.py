@@ -73,10 +73,11 @@ def peft_loss(peft_model, x, y):
 
 
 def test_step_0_is_the_base_and_equals_peft_logits_loss_and_gradients():
-    model, peft_model = ours_and_peft()
+    model, peft_model = ours_and_peft(seed=0)
     x, y = batch()
-    with torch.no_grad():
-        base_logits = model(x)[0]
+    torch.manual_seed(0)
+    with torch.no_grad():   # the base alone, without adapters: the same weights (the same seed)
+        base_logits = GPT(SMALL)(x)[0]
     assert all(p.abs().max() == 0 for n, p in lora.adapters(model).items() if "lora_B" in n)   # B starts at zero
     for randomize_b in (False, True):   # at step 0 (B = 0: A gets no gradient), then with B random on both sides
         if randomize_b:
@@ -128,11 +129,14 @@ def test_merge_gives_a_plain_gpt_with_the_same_outputs():
             p.normal_(0, 0.05)
         x, _ = batch()
         before = model.eval()(x)[0]
+        # a token a row, as generation feeds them: the adapters beside W (fewer tokens than the layers' width)
+        one_token = model(x[:, :1])[0]
         lora.merge(model)
         after = model(x)[0]
     assert not lora.adapted(model) and all(type(m) is torch.nn.Linear for m in model.modules()
                                            if isinstance(m, torch.nn.Linear))
     torch.testing.assert_close(after, before, rtol=0, atol=1e-5)
+    torch.testing.assert_close(one_token, after[:, :1], rtol=0, atol=1e-5)
 
 
 def test_a_frozen_weight_gets_no_gradient_and_x_the_same_one():
@@ -250,14 +254,30 @@ def test_exports_merged_for_transformers_and_as_peft_adapters(base, task, tmp_pa
     assert os.path.getsize(ckpt_file) < os.path.getsize(os.path.join(base, "model.safetensors")) / 4   # no base in it
 
 
-def test_resume_is_bit_exact_holds_only_adapters_and_loads_the_base_once(base, tmp_path):
+# train_gpt2.py, counting what reads the base: its weights (inputs.copy_pretrained_weights), its file's sha256
+COUNTING_READS = """import sys, lora, train_gpt2
+from plumbing import inputs
+reads = []
+for module, name in ((inputs, "copy_pretrained_weights"), (lora, "base_identity")):
+    setattr(module, name, lambda *a, real=getattr(module, name), name=name, **k: reads.append(name) or real(*a, **k))
+try:
+    train_gpt2.world.run_main(train_gpt2.main)
+finally:
+    print("base reads:", sorted(reads))
+"""
+
+
+def test_resume_is_bit_exact_holds_only_adapters_and_reads_the_base_once(base, tmp_path):
     shards = make_shards(tmp_path / "data")   # plain pretraining shards
     whole = run_train(lora_args(shards, tmp_path / "whole", base))
     assert whole.stdout.count("lora: r 4, alpha 8, 4 targets") == 1
     run_train(lora_args(shards, tmp_path / "cut", base))
     os.remove(tmp_path / "cut" / "model_00006.pt")   # as if stopped after step 3's checkpoint
-    resumed = run_train(lora_args(shards, tmp_path / "cut", base, "--resume"))
-    assert resumed.stdout.count("lora: r 4, alpha 8") == 1 and "resumed from" in resumed.stdout
+    resumed = subprocess.run([sys.executable, "-c", COUNTING_READS, *lora_args(shards, tmp_path / "cut", base, "--resume")],
+                             capture_output=True, text=True, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr
+    # its weights read once, its file hashed once (to check it is the base the adapters were trained on)
+    assert "base reads: ['base_identity', 'copy_pretrained_weights']" in resumed.stdout
     a, ckpt = adapters_of(tmp_path / "whole")
     b, _ = adapters_of(tmp_path / "cut")
     assert sorted(a) == sorted(lora.adapters(train_gpt2.load_model(str(tmp_path / "whole" / "model_00006.pt"),
@@ -280,6 +300,10 @@ def test_two_ranks_and_sharded_equal_one_process(base, task, tmp_path):
         theirs = lora.adapters(ref)
         for k, p in lora.adapters(ours).items():
             torch.testing.assert_close(p, theirs[k], rtol=0, atol=1e-5, msg=f"{name} {k}")
+        # merged (a .dcp's adapters read whole, added to the base a layer at a time): the same model
+        merged = train_gpt2.load_model(train_gpt2.list_checkpoints(str(tmp_path / name))[-1])[0].state_dict()
+        for k, p in lora.merge(ref).state_dict().items():
+            torch.testing.assert_close(merged[k], p, rtol=0, atol=1e-5, msg=f"{name} merged {k}")
 
 
 def test_bad_input_is_one_line_each(base, tmp_path):
