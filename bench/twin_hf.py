@@ -130,7 +130,9 @@ def nanogpt_schedule(args):
     def factor(it):
         if it < args.warmup_steps:
             return (it + 1) / args.warmup_steps
-        progress = min(1.0, (it - args.warmup_steps) / (args.max_steps - args.warmup_steps))
+        if it >= args.max_steps:  # (LambdaLR asks for the step after the last one too)
+            return args.min_lr / args.max_lr
+        progress = (it - args.warmup_steps) / (args.max_steps - args.warmup_steps)
         return (args.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (args.max_lr - args.min_lr)) / args.max_lr
     return factor
 
