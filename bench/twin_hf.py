@@ -176,6 +176,7 @@ def parse_args(argv=None):
     p.add_argument("--no_yardstick", action="store_true", help="bf16: skip our fp32 run (then no verdict on the bf16 "
                    "twins; their final val losses only, 1.6x faster)")
     p.add_argument("--steps", type=int, default=400, help="optimizer steps (the schedule's max_steps)")
+    p.add_argument("--stop_at", type=int, default=None, help="stop after this many steps of the --steps schedule")
     p.add_argument("--n_layer", type=int, default=12)
     p.add_argument("--n_head", type=int, default=4)
     p.add_argument("--n_embd", type=int, default=128)
@@ -197,7 +198,7 @@ def parse_args(argv=None):
         raise SystemExit(f"error: --n_embd {args.n_embd} is not a multiple of --n_head {args.n_head}")
     args.min_lr = args.max_lr / 10 if args.min_lr is None else args.min_lr
     args.warmup_steps = max(1, args.steps // 10) if args.warmup_steps is None else args.warmup_steps
-    args.max_steps = args.steps
+    args.max_steps, args.stop_at = args.steps, min(args.stop_at or args.steps, args.steps)
     return args
 
 
@@ -265,11 +266,11 @@ def main(argv=None):
           f"a step, {args.steps} steps, lr {args.max_lr:g} -> {args.min_lr:g} after {args.warmup_steps} warmup; "
           f"seed {args.seed}; runs: {', '.join(runs)}; val: {len(val) * args.batch_size * args.seq_len} tokens")
     found, finals = {}, {}
-    for step in range(args.steps + 1):
-        if step % args.eval_every == 0 or step == args.steps:
+    for step in range(args.stop_at + 1):
+        if step % args.eval_every == 0 or step == args.stop_at:
             finals = {name: run.val_loss(val) for name, run in runs.items()}
             print(f"step {step:4d} val | " + " | ".join(f"{n} {v:.4f}" for n, v in finals.items()), flush=True)
-        if step == args.steps:
+        if step == args.stop_at:
             break
         x, y = loader.next_batch()
         t0 = time.time()
@@ -296,7 +297,7 @@ def report(args, runs, found, finals):
             step, tensor, why = found[d]
             verdicts.append(f"the {d} twins part at step {step} in {tensor} ({why})")
         elif f"hf_{d}" in runs and (d == "fp32" or "ours_fp32" in runs):
-            verdicts.append(f"the {d} twins stay within rounding for {args.steps} steps")
+            verdicts.append(f"the {d} twins stay within rounding for {args.stop_at} steps")
     print("verdict: " + ("; ".join(verdicts) if verdicts else "none (no yardstick: --no_yardstick)"))
 
 
