@@ -59,8 +59,9 @@ def build_parser(defaults=True):
       help="process group backend; auto = ccl if oneccl_bindings_for_pytorch imports, else gloo (CPU), nccl, xccl")
     a("--ipex", choices=["auto", "on", "off"], default=d("auto"),
       help="Intel Extension for PyTorch's ipex.optimize on CPU/XPU; auto = when installed")
-    a("--shard", choices=["none", "full"], default=d("none"), help="none: every rank holds the whole training state "
-      "(DDP); full: weights, gradients and AdamW state split across the ranks (FSDP2), for models too big for one")
+    a("--shard", choices=["none", "full", "grads"], default=d("none"), help="none: every rank holds the whole training "
+      "state (DDP); full: weights, gradients and AdamW state split across the ranks (FSDP2), for models too big for one; "
+      "grads: gradients and AdamW state split, weights gathered once a step (ZeRO-2: less traffic, more memory)")
     a("--dist_timeout", type=float, default=d(300), help="seconds a collective may wait for the other ranks")
     a("--threads", type=int, default=d(0), help="torch threads per rank (0 = physical cores / ranks per node)")
     a("--epochs", type=int, default=d(None), help="task data (a finetune.py folder): passes over the training "

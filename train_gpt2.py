@@ -349,7 +349,7 @@ class Run:
 
     def __init__(self, args, ranks, task):
         self.args, self.ranks, self.task = args, ranks, task
-        self.sharded = args.shard == "full" and ranks.world_size > 1  # FSDP2: decided here, and only here
+        self.sharded = args.shard != "none" and ranks.world_size > 1  # FSDP2: decided here, and only here
         self.grad_accum_steps = args.total_batch_size // (args.batch_size * args.seq_len * ranks.world_size)
         self.train_loader = self.hellaswag = self.lock = self.device_type = self.dtype = self.autocast = self.ipex = None
         self.raw_model = self.model = self.optimizer = None  # raw_model: the plain GPT; model: what trains
@@ -373,8 +373,8 @@ def open_data_and_lock_log_dir(run):
     --log_dir, refused if it holds another run, and locked so that no second run writes there. Returns (the loader,
     HellaSwag's examples or None, the lock)."""
     args, ranks = run.args, run.ranks
-    if args.shard == "full" and not run.sharded:
-        ranks.print0("--shard full: with one rank there is nothing to split; training as usual")
+    if args.shard != "none" and not run.sharded:
+        ranks.print0(f"--shard {args.shard}: with one rank there is nothing to split; training as usual")
     train_loader = dataloader.open_training_data(args, run.task, ranks)
     has_run = os.path.exists(os.path.join(args.log_dir, "log.txt")) or list_checkpoints(args.log_dir)
     if has_run and not args.resume and not args.overwrite:
@@ -426,7 +426,7 @@ def build_model(run, ckpt):
             model = GPT(config)
             return lora.add_adapters(model, args.lora, args.lora_alpha, args.lora_targets, init=False) if args.lora else model
         if run.sharded:
-            return sharding.build_sharded(make, ranks, run.dtype == "bf16", init_weights)
+            return sharding.build_sharded(make, ranks, run.dtype == "bf16", init_weights, args.shard == "grads")
         return sharding.build_in(torch.bfloat16, make, init_weights) if args.lora and run.dtype == "bf16" else make()
     if ckpt is not None and not ckpt["sharded_path"] and not args.lora:
         model = GPT.from_checkpoint(ckpt, build)
@@ -547,8 +547,9 @@ def train_step(run, step):
         x, y, packed = x.to(ranks.device), y.to(ranks.device), packed and packed.to(ranks.device)
         # DDP all-reduces gradients during backward (FSDP reduce-scatters them); only the last micro-step needs that
         sync = micro_step == run.grad_accum_steps - 1 or ranks.world_size == 1
-        if run.sharded:
+        if run.sharded:  # (--shard grads: the gathered weights are kept until the last micro-step's backward)
             getattr(model, "_orig_mod", model).set_requires_gradient_sync(sync)
+            getattr(model, "_orig_mod", model).set_reshard_after_backward(sync or args.shard == "full")
         with (nullcontext() if sync or run.sharded else model.no_sync()):
             with run.autocast:
                 _, loss = model(x, y, packed=packed)
