@@ -369,7 +369,7 @@ class Run:
             self.flops_per_token = cpu.flops_per_token(sum(p.numel() for p in params), config.n_layer, config.n_embd,
                                                        self.args.seq_len) - 2 * sum(p.numel() for p in params if not p.requires_grad)
             self.matmul_rate = cpu.MatmulRate(self.dtype, config.n_embd)
-        return self.matmul_rate.share(self.args.total_batch_size / self.ranks.world_size / dt * self.flops_per_token / 1e9)
+        return self.matmul_rate.share(self.args.total_batch_size / self.replicas / dt * self.flops_per_token / 1e9)
 
 def open_data_and_lock_log_dir(run):
     """The training data's loader and the val data, checked; HellaSwag's examples if they are to be measured; then

@@ -123,3 +123,20 @@ def test_bad_layouts_are_one_line(data, tmp_path):
     proc = run_train(tiny_run_args(data, tmp_path / "log", "--pp", "2"), check=False)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("error: --pp 2: the world size 1")
     assert "Traceback" not in proc.stderr
+
+
+def test_pipeline_on_task_data_equals_one_process(tmp_path):
+    """Packed task rows with answers of uneven length: each micro-batch's loss weighs by its share of the step's
+    targets (4 micro-batches of one row a step), and the packing reaches every stage."""
+    from test_finetune_train import task_run_args, uneven_task
+    task = uneven_task(tmp_path)
+    equal = ["--batch_size", "1", "--total_batch_size", "256", "--n_layer", "4"]
+    run_train(task_run_args(task, tmp_path / "single", *equal), env=clean_env(), timeout=LIMIT)
+    proc = run_launched(task_run_args(task, tmp_path / "pp", *equal, "--pp", "2"), torchrun(2), clean_env())
+    assert "pipeline: 2 stages" in proc.stdout
+    ref, got = read_log(tmp_path / "single", "train"), read_log(tmp_path / "pp", "train")
+    assert sorted(got) == sorted(ref) == [0, 1, 2, 3]
+    assert max(abs(ref[s] - got[s]) for s in ref) <= TOL, (ref, got)
+    assert all(abs(a - b) <= 1e-4 for a, b in zip(read_log(tmp_path / "single", "val").values(),
+                                                  read_log(tmp_path / "pp", "val").values()))
+    assert final_weights_diff(tmp_path / "single", tmp_path / "pp") <= TOL
