@@ -12,6 +12,7 @@ import lora
 from plumbing import cache_dir, one_line
 from plumbing.checkpoints import list_checkpoints, load_checkpoint
 from plumbing.inputs import find_shards
+from plumbing.pipeline import check_layout
 
 # -----------------------------------------------------------------------------
 # The flags
@@ -59,8 +60,13 @@ def build_parser(defaults=True):
       help="process group backend; auto = ccl if oneccl_bindings_for_pytorch imports, else gloo (CPU), nccl, xccl")
     a("--ipex", choices=["auto", "on", "off"], default=d("auto"),
       help="Intel Extension for PyTorch's ipex.optimize on CPU/XPU; auto = when installed")
-    a("--shard", choices=["none", "full"], default=d("none"), help="none: every rank holds the whole training state "
-      "(DDP); full: weights, gradients and AdamW state split across the ranks (FSDP2), for models too big for one")
+    a("--shard", choices=["none", "full", "grads"], default=d("none"), help="none: every rank holds the whole training "
+      "state (DDP); full: weights, gradients and AdamW state split across the ranks (FSDP2), for models too big for one; "
+      "grads: gradients and AdamW state split, weights gathered once a step (ZeRO-2: less traffic, more memory)")
+    a("--pp", type=int, default=d(1), help="pipeline parallel: the blocks cut into this many stages, one per rank "
+      "(world = data-parallel replicas x stages; plumbing/pipeline.py)")
+    a("--pp_schedule", choices=["1f1b", "gpipe"], default=d("1f1b"), help="--pp's schedule: 1f1b (at most N micro-batches' "
+      "activations held per stage) or gpipe (every forward, then every backward)")
     a("--dist_timeout", type=float, default=d(300), help="seconds a collective may wait for the other ranks")
     a("--threads", type=int, default=d(0), help="torch threads per rank (0 = physical cores / ranks per node)")
     a("--epochs", type=int, default=d(None), help="task data (a finetune.py folder): passes over the training "
@@ -146,6 +152,8 @@ def resolve_args(argv, ranks):
         saved = {**vars(args), **saved_args}  # a flag newer than the checkpoint keeps its default
         saved.update({k: v for k, v in given.items() if k in saved})
         saved.update(resume=args.resume, overwrite=False, log_dir=given.get("log_dir", saved["log_dir"]))
+        for layout in ("pp", "pp_schedule"):  # the launch decides the layout: a checkpoint resumes on any (pipeline.py)
+            saved[layout] = given.get(layout, vars(args)[layout])
         args = argparse.Namespace(**saved)
     if not args.resume and (args.demo or (not find_shards(args.data_dir, "train") and "data_dir" not in given)):
         if not args.demo:
@@ -203,10 +211,11 @@ def check_args(args, world_size):
         raise SystemExit(f"error: --data_dir {args.data_dir} does not exist (make shards with fineweb.py)")
     if args.seq_len > args.block_size and args.init_from == "scratch":
         raise SystemExit(f"error: --seq_len {args.seq_len} is longer than --block_size {args.block_size}")
-    tokens_per_micro = args.batch_size * args.seq_len * world_size
+    replicas = check_layout(args, world_size)  # --pp: world = data-parallel replicas x pipeline stages
+    tokens_per_micro = args.batch_size * args.seq_len * replicas
     if args.total_batch_size % tokens_per_micro:
         raise SystemExit(f"error: --total_batch_size {args.total_batch_size} is not divisible by --batch_size "
-                         f"{args.batch_size} x --seq_len {args.seq_len} x world size {world_size} = {tokens_per_micro}")
+                         f"{args.batch_size} x --seq_len {args.seq_len} x {replicas} data-parallel replica(s) = {tokens_per_micro}")
     for flag in ("batch_size", "seq_len", "max_steps", "n_layer", "n_head", "n_embd"):
         if getattr(args, flag) <= 0:
             raise SystemExit(f"error: --{flag} must be positive")

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from plumbing import attention, checkpoints, cpu, inputs, sharding, speedups, world
+from plumbing import attention, checkpoints, cpu, inputs, pipeline, sharding, speedups, world
 from plumbing.checkpoints import append_log, checkpoint_path, list_checkpoints, load_checkpoint
 from plumbing.fused_loss import IGNORE, lm_head_loss
 import dataloader
@@ -362,8 +362,11 @@ class Run:
 
     def __init__(self, args, ranks, task):
         self.args, self.ranks, self.task = args, ranks, task
-        self.sharded = args.shard == "full" and ranks.world_size > 1  # FSDP2: decided here, and only here
-        self.grad_accum_steps = args.total_batch_size // (args.batch_size * args.seq_len * ranks.world_size)
+        self.sharded = args.shard != "none" and ranks.world_size > 1  # FSDP2: decided here, and only here
+        self.replicas = ranks.world_size // args.pp  # data-parallel replicas: --pp stages each (plumbing/pipeline.py)
+        self.grad_accum_steps = args.total_batch_size // (args.batch_size * args.seq_len * self.replicas)
+        self.data_ranks = pipeline.replica_ranks(ranks, args.pp) if args.pp > 1 else ranks  # what the loaders see
+        self.pipe = None  # --pp: this rank's stage and its schedule (prepare_training)
         self.train_loader = self.hellaswag = self.lock = self.device_type = self.dtype = self.autocast = self.ipex = None
         self.raw_model = self.model = self.optimizer = None  # raw_model: the plain GPT; model: what trains
         self.compiled, self.flops_per_token, self.matmul_rate, self.lora = False, 0, None, None
@@ -379,16 +382,16 @@ class Run:
             self.flops_per_token = cpu.flops_per_token(sum(p.numel() for p in params), config.n_layer, config.n_embd,
                                                        self.args.seq_len) - 2 * sum(p.numel() for p in params if not p.requires_grad)
             self.matmul_rate = cpu.MatmulRate(self.dtype, config.n_embd)
-        return self.matmul_rate.share(self.args.total_batch_size / self.ranks.world_size / dt * self.flops_per_token / 1e9)
+        return self.matmul_rate.share(self.args.total_batch_size / self.replicas / dt * self.flops_per_token / 1e9)
 
 def open_data_and_lock_log_dir(run):
     """The training data's loader and the val data, checked; HellaSwag's examples if they are to be measured; then
     --log_dir, refused if it holds another run, and locked so that no second run writes there. Returns (the loader,
     HellaSwag's examples or None, the lock)."""
     args, ranks = run.args, run.ranks
-    if args.shard == "full" and not run.sharded:
-        ranks.print0("--shard full: with one rank there is nothing to split; training as usual")
-    train_loader = dataloader.open_training_data(args, run.task, ranks)
+    if args.shard != "none" and not run.sharded:
+        ranks.print0(f"--shard {args.shard}: with one rank there is nothing to split; training as usual")
+    train_loader = dataloader.open_training_data(args, run.task, run.data_ranks)
     has_run = os.path.exists(os.path.join(args.log_dir, "log.txt")) or list_checkpoints(args.log_dir)
     if has_run and not args.resume and not args.overwrite:
         raise SystemExit(f"error: --log_dir {args.log_dir} already holds a run; continue it with --resume, "
@@ -396,6 +399,9 @@ def open_data_and_lock_log_dir(run):
     hellaswag_examples = None  # no data (no network, say) is no reason not to train: it is just not measured
     if args.hellaswag_interval > 0 and run.sharded:  # batches differ by rank: no lock-step all-gathers
         ranks.print0("warning: no HellaSwag during sharded training: run hellaswag.py -m on a checkpoint")
+    elif args.pp > 1:  # generation through the stages is not written yet; a checkpoint holds the whole model
+        ranks.print0("pipeline: no HellaSwag, task accuracy or samples during training: run hellaswag.py -m, answer.py "
+                     "or sample.py --ckpt_path on a checkpoint")
     elif args.hellaswag_interval > 0:
         import hellaswag
         hellaswag_examples = hellaswag.examples_for_training(args.hellaswag_dir, ranks)
@@ -439,7 +445,7 @@ def build_model(run, ckpt):
             model = GPT(config)
             return lora.add_adapters(model, args.lora, args.lora_alpha, args.lora_targets, init=False) if args.lora else model
         if run.sharded:
-            return sharding.build_sharded(make, ranks, run.dtype == "bf16", init_weights)
+            return sharding.build_sharded(make, ranks, run.dtype == "bf16", init_weights, args.shard == "grads")
         return sharding.build_in(torch.bfloat16, make, init_weights) if args.lora and run.dtype == "bf16" else make()
     if ckpt is not None and not ckpt["sharded_path"] and not args.lora:
         model = GPT.from_checkpoint(ckpt, build)
@@ -466,6 +472,8 @@ def prepare_training(run, ckpt, ckpt_file):
     """The optimizer, the resumed state, then the wrappers: IPEX, torch.compile, DDP. Returns (the model that trains,
     the optimizer, whether it is compiled, the first step)."""
     args, ranks, model = run.args, run.ranks, run.raw_model
+    if args.pp > 1:  # the model is cut down to this rank's stage
+        run.pipe = pipeline.Pipeline(model, args, ranks, run.grad_accum_steps, ranks.print0)
     optimizer, fused = model.configure_optimizer(args.weight_decay, args.max_lr, run.device_type)
     ranks.print0(f"optimizer: AdamW, fused={fused}")
     if run.device_type == "cpu" and (line := attention.choose(run.dtype, args.batch_size, model.config.n_head, args.seq_len,
@@ -477,26 +485,30 @@ def prepare_training(run, ckpt, ckpt_file):
             checkpoints.load_sharded(ckpt["sharded_path"], model, optimizer)
         elif run.sharded:
             sharding.load_full_optimizer_state(model, optimizer, ckpt["optimizer"])
+        elif run.pipe is not None:
+            run.pipe.load_optimizer_state(optimizer, ckpt["optimizer"])
         else:
             optimizer.load_state_dict(ckpt["optimizer"])
         run.train_loader.load_state_dict(ckpt["loader"])
         torch.set_rng_state(ckpt["rng"]["torch"])
         start_step = ckpt["step"]
         ranks.print0(f"resumed from {ckpt_file} at step {start_step}")
-    if run.ipex is not None and not run.sharded and run.device_type == "cpu":  # right at this run's shapes? faster?
+    if run.ipex is not None and (run.sharded or run.pipe is not None):
+        run.ipex = None
+    if run.ipex is not None and run.device_type == "cpu":  # right at this run's shapes? faster?
         run.ipex, line = speedups.decide_ipex(run.ipex, args.ipex, run.dtype, model.transformer.h[0], args.batch_size,
                                               args.seq_len, args.compile and speedups.can_compile("cpu"), ranks)
         ranks.print0(line)
-    if run.ipex is not None and not run.sharded:
+    if run.ipex is not None:
         model, optimizer = speedups.apply_ipex(run.ipex, model, optimizer, run.dtype, ranks.print0)
     # torch.compile fuses the training forward and backward into C++ kernels (bench/bench_train.py measures it).
     # Evaluation and sampling run the raw model eagerly: their shapes change, and each shape would recompile.
     compiled = False
-    if args.compile:
+    if args.compile and run.pipe is None:
         model, compiled = speedups.compile_if_possible(model, run.ipex, run.device_type, ranks.print0)
     if ranks.world_size > 1:  # the same checkpoint on every rank: DDP copies rank 0's weights, but nothing else
         world.check_same_start(ranks, start_step)
-    if ranks.world_size > 1 and not run.sharded:  # DDP averages the gradients during backward, bucket by bucket
+    if ranks.world_size > 1 and not run.sharded and run.pipe is None:  # DDP averages the gradients during backward, bucket by bucket
         from torch.nn.parallel import DistributedDataParallel as DDP
         model = DDP(model, device_ids=[ranks.local_rank] if run.device_type == "cuda" else None)
     return model, optimizer, compiled, start_step
@@ -509,10 +521,10 @@ def evaluate(run, step, due):
     if due(args.eval_interval):  # the mean loss over every val target (a task may have none: then no val line)
         stats = torch.zeros(2, dtype=torch.float64, device=ranks.device)  # summed loss, target count
         with torch.no_grad():
-            for batch in dataloader.val_batches(args, run.task, ranks, lockstep=run.sharded):
+            for batch in dataloader.val_batches(args, run.task, run.data_ranks, lockstep=run.sharded):
                 x, y, packed = batch if batch is not None else (torch.zeros(1, args.seq_len, dtype=torch.long),) * 2 + (None,)
                 with run.autocast:
-                    _, loss = model(x.to(ranks.device), y.to(ranks.device), packed=packed and packed.to(ranks.device))
+                    _, loss = (run.pipe or model)(x.to(ranks.device), y.to(ranks.device), packed=packed and packed.to(ranks.device))
                 counted = int((y != IGNORE).sum()) * (batch is not None)
                 stats += torch.tensor([loss.item() * counted, counted], dtype=torch.float64, device=ranks.device)
         total, count = ranks.all_reduce_sum(stats).tolist()
@@ -520,7 +532,7 @@ def evaluate(run, step, due):
             val_loss = total / count
             ranks.print0(f"validation loss: {val_loss:.4f}")
             append_log(args.log_dir, ranks, f"{step} val {val_loss:.4f}")
-        if run.task is not None and run.task["splits"]["val"]["examples"]:  # do the answers come out right?
+        if run.task is not None and run.task["splits"]["val"]["examples"] and run.pipe is None:  # do the answers come out right?
             n = min(args.task_examples, run.task["splits"]["val"]["examples"])
             import answer
             acc, _ = answer.task_accuracy(model, args.data_dir, run.autocast, n=n, ranks=ranks,
@@ -531,7 +543,7 @@ def evaluate(run, step, due):
         import hellaswag
         acc = hellaswag.accuracy_during_training(model, run.hellaswag, ranks, run.dtype, args.batch_size)
         append_log(args.log_dir, ranks, f"{step} hella {acc:.4f}")
-    if due(args.sample_interval) and (step > 0 or step == args.max_steps) and (ranks.master or run.sharded):
+    if due(args.sample_interval) and (step > 0 or step == args.max_steps) and (ranks.master or run.sharded) and not run.pipe:
         import sample  # (sharded, every rank generates alongside rank 0, to join the all-gathers of every forward)
         sample.print_samples(model, ranks, run.autocast)
     return val_loss
@@ -550,25 +562,50 @@ def save_checkpoint(run, step, val_loss, evaluated=True):
              "evaluated": evaluated}  # False: stopped by a signal before this step's evaluations
     if run.sharded:
         checkpoints.save_sharded(checkpoint_path(args.log_dir, step, sharded=True), model, optimizer, state, ranks)
+        return
+    if run.pipe is not None:  # the stages send their parts to rank 0, which writes what one process would
+        state["model"], state["optimizer"] = run.pipe.full_state(optimizer)
     elif ranks.master:
         state.update(model=lora.adapters(model) if args.lora else model.state_dict(), optimizer=optimizer.state_dict())
+    if ranks.master:
         state["checksums"] = checkpoints.tensor_checksums(state)  # verified by load_checkpoint
         checkpoints.atomic_save(state, checkpoint_path(args.log_dir, step))
 
 def train_step(run, step):
     """One optimizer step over total_batch_size tokens: grad_accum_steps micro-batches on every rank.
     Returns (mean loss, gradient norm, learning rate, whether the weights were updated)."""
-    args, ranks, model, optimizer = run.args, run.ranks, run.model, run.optimizer
-    model.train()
+    args, optimizer = run.args, run.optimizer
+    run.model.train()
     optimizer.zero_grad(set_to_none=True)
-    loss_accum = torch.zeros((), device=ranks.device)
     batches, n_targets = run.train_loader.next_step(run.grad_accum_steps)
+    if run.pipe is not None:  # --pp: the schedule runs the micro-batches through the stages (plumbing/pipeline.py)
+        loss_accum, norm = run.pipe.step(batches, n_targets, args.grad_clip)
+    else:
+        loss_accum, norm = accumulate_gradients(run, batches, n_targets)
+    lr = get_lr(step, args.warmup_steps, args.max_steps, args.max_lr, args.min_lr)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    # a non-finite loss or gradient would make every weight NaN; a loss above DIVERGED_LOSS means they blew up:
+    # skip the update (all ranks see the same all-reduced numbers); main() stops the run if it keeps happening
+    sane = bool(loss_accum.isfinite() and norm.isfinite() and loss_accum < DIVERGED_LOSS)
+    if sane:
+        optimizer.step()
+    if run.ranks.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return loss_accum.item(), norm.item(), lr, sane
+
+def accumulate_gradients(run, batches, n_targets):
+    """The gradient of the step's mean loss, accumulated over its micro-batches on this rank, averaged over the ranks
+    (DDP, FSDP) and clipped. Returns (the step's mean loss, the gradient norm before clipping)."""
+    args, ranks, model = run.args, run.ranks, run.model
+    loss_accum = torch.zeros((), device=ranks.device)
     for micro_step, (x, y, packed) in enumerate(batches):
         x, y, packed = x.to(ranks.device), y.to(ranks.device), packed and packed.to(ranks.device)
         # DDP all-reduces gradients during backward (FSDP reduce-scatters them); only the last micro-step needs that
         sync = micro_step == run.grad_accum_steps - 1 or ranks.world_size == 1
-        if run.sharded:
+        if run.sharded:  # (--shard grads: the gathered weights are kept until the last micro-step's backward)
             getattr(model, "_orig_mod", model).set_requires_gradient_sync(sync)
+            getattr(model, "_orig_mod", model).set_reshard_after_backward(sync or args.shard == "full")
         with (nullcontext() if sync or run.sharded else model.no_sync()):
             with run.autocast:
                 _, loss = model(x, y, packed=packed)
@@ -582,18 +619,7 @@ def train_step(run, step):
     ranks.all_reduce_sum(loss_accum)
     loss_accum /= ranks.world_size
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-    norm = norm.full_tensor() if run.sharded else norm  # sharded: each rank's part of the global norm
-    lr = get_lr(step, args.warmup_steps, args.max_steps, args.max_lr, args.min_lr)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    # a non-finite loss or gradient would make every weight NaN; a loss above DIVERGED_LOSS means they blew up:
-    # skip the update (all ranks see the same all-reduced numbers); main() stops the run if it keeps happening
-    sane = bool(loss_accum.isfinite() and norm.isfinite() and loss_accum < DIVERGED_LOSS)
-    if sane:
-        optimizer.step()
-    if ranks.device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return loss_accum.item(), norm.item(), lr, sane
+    return loss_accum, norm.full_tensor() if run.sharded else norm  # sharded: each rank's part of the global norm
 
 def save_after_signal(run, signum, step, save):
     """After a SIGTERM or SIGINT: save where the run is, if `save` (its evaluations run when it resumes),
@@ -651,7 +677,7 @@ def main(argv=None):
         checkpoints.prepare_log_dir(args.log_dir, vars(args), overwrite=args.overwrite and not args.resume,
                                     fresh=ckpt_file is None)
     ranks.print0(f"total batch {args.total_batch_size} tokens = {args.batch_size} x {args.seq_len} x "
-                 f"{ranks.world_size} rank(s) x {run.grad_accum_steps} accumulation steps")
+                 f"{run.replicas} rank(s) x {run.grad_accum_steps} accumulation steps" + (f" (x {args.pp} stages)" if run.pipe else ""))
 
     skipped, exit_code, first_dt = 0, 0, 0.0
     for step in range(start_step, args.max_steps + 1):
@@ -682,10 +708,11 @@ def main(argv=None):
             exit_code = save_after_signal(run, signum, step + 1, save)
             break
 
-    world.check_same_weights(ranks, run.raw_model)  # DDP's promise: every rank ends with the same weights
+    # DDP's promise: every rank ends with the same weights (a pipeline's: each stage's replicas do)
+    run.pipe.check_same_weights(ranks) if run.pipe else world.check_same_weights(ranks, run.raw_model)
     world.report_peak_memory(ranks)
     if ranks.world_size > 1:
-        run.model = run.raw_model = run.optimizer = None  # they hold the group (DDP's reducer, FSDP's mesh): freed first
+        run.model = run.raw_model = run.optimizer = run.pipe = None  # they hold the group (DDP's reducer, FSDP's mesh): freed first
         world.leave_process_group()
     if exit_code:
         raise SystemExit(exit_code)

@@ -5,7 +5,7 @@ Openly model-aware: it shards GPT's blocks one by one and replays GPT's own init
 import torch
 import torch.nn as nn
 
-def shard_model(model, ranks, bf16):
+def shard_model(model, ranks, bf16, keep_gathered=False):
     """FSDP2 (fully sharded data parallel): every parameter is split in world_size pieces along its first
     dimension, one per rank, and so are its gradient and AdamW's moments. Each block is its own unit:
     its weights are all-gathered just before its forward (and again for its backward), then freed; its
@@ -13,19 +13,24 @@ def shard_model(model, ranks, bf16):
     is one block's weights at a time, and the activations. The root unit holds the embeddings, whose
     weight lm_head shares (tied): it stays one parameter, sharded once.
     bf16: the weights are all-gathered in bf16 (half the traffic), and used as such, so autocast keeps no
-    bf16 copy of every weight for backward; gradients are reduced in fp32 and AdamW updates fp32 pieces."""
+    bf16 copy of every weight for backward; gradients are reduced in fp32 and AdamW updates fp32 pieces.
+    keep_gathered (--shard grads, ZeRO-2): a unit's weights, once gathered, stay whole after its forward, and
+    train_step keeps them through the backward of every micro-step but the last (set_reshard_after_backward):
+    one all-gather per optimizer step instead of two per micro-step, for the whole model's weights in memory."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     for block in model.transformer.h:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-    ranks.print0(f"shard: FSDP2, each rank holds 1/{ranks.world_size} of the weights, gradients and AdamW state")
+        fully_shard(block, mp_policy=policy, reshard_after_forward=not keep_gathered)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=not keep_gathered)
+    ranks.print0(f"shard: FSDP2, each rank holds 1/{ranks.world_size} of the " + (
+        "gradients and AdamW state; the weights are gathered once a step (ZeRO-2)" if keep_gathered else
+        "weights, gradients and AdamW state"))
 
-def build_sharded(build, ranks, bf16, init_weights=True):
+def build_sharded(build, ranks, bf16, init_weights=True, keep_gathered=False):
     """build() -> a model, sharded without any rank ever holding all of it: built on the meta device (shapes, no
     storage), sharded, and only then given memory: each rank allocates just its pieces (see build_in_pieces)."""
     def shard_then_allocate(model):
-        shard_model(model, ranks, bf16)
+        shard_model(model, ranks, bf16, keep_gathered)
         model.to_empty(device="cpu")
     return build_in_pieces(build, shard_then_allocate, init_weights)
 

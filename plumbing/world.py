@@ -98,18 +98,21 @@ def check_same_weights(ranks, model):
     (The state dict: full fp32 weights in plain layout, also under IPEX, whose parameters are bf16 halves.)
     Sharded, the ranks hold different pieces: each tensor is gathered whole, one at a time, so every rank
     hashes the same weights (and the digest is the one a DDP run with the same weights prints)."""
-    weights = model.state_dict()
-    checksum = hashlib.sha256()
-    for k in sorted(weights):  # one tensor at a time: joining them all first would double the peak memory
-        w = weights[k].full_tensor() if hasattr(weights[k], "full_tensor") else weights[k]  # sharded: gathered
-        checksum.update(w.detach().cpu().float().contiguous().numpy())
-    digest = checksum.hexdigest()
+    digest = state_digest(model.state_dict())
     if ranks.world_size > 1:
         digests = [None] * ranks.world_size
         torch.distributed.all_gather_object(digests, digest)
         if len(set(digests)) != 1:
             raise SystemExit(f"error: ranks hold different parameters after training: {digests}")
     ranks.print0(f"parameter sha256 (all {ranks.world_size} rank(s)): {digest}")
+
+def state_digest(weights):
+    """sha256 of a state_dict's tensors, in fp32, in sorted key order."""
+    checksum = hashlib.sha256()
+    for k in sorted(weights):  # one tensor at a time: joining them all first would double the peak memory
+        w = weights[k].full_tensor() if hasattr(weights[k], "full_tensor") else weights[k]  # sharded: gathered
+        checksum.update(w.detach().cpu().float().contiguous().numpy())
+    return checksum.hexdigest()
 
 def report_peak_memory(ranks):
     """Each rank's peak resident memory (what the OS counts: weights, optimizer state, activations, buffers)."""

@@ -577,3 +577,63 @@ def test_shard_errors_are_one_line(data, two_ranks_sharded, tmp_path):
     proc = subprocess.run([sys.executable, "sample.py", "--ckpt_path", str(half)], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("error:"), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# -----------------------------------------------------------------------------
+# --shard grads (ZeRO-2): gradients and AdamW state sharded, the weights gathered once an optimizer step
+
+
+@pytest.fixture(scope="module")
+def two_ranks_grads(data, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("grads") / "log"
+    proc = run_launched(tiny_run_args(data, log_dir, *EQUAL, "--shard", "grads"), TORCHRUN, clean_env())
+    return log_dir, proc
+
+
+def test_shard_grads_equals_one_process_and_resumes(single, two_ranks_grads, tmp_path):
+    log_dir, proc = two_ranks_grads
+    assert "the weights are gathered once a step (ZeRO-2)" in proc.stdout
+    worst = assert_same_run(single[0], log_dir)
+    print(f"torchrun x2 --shard grads vs 1 process: largest train loss difference {worst:.1e}")
+    assert final_weights_diff(single[0], log_dir) <= TOL
+    resumed = stopped_after_step_3(log_dir, tmp_path)
+    proc = run_launched(["--resume", "--log_dir", resumed], TORCHRUN, clean_env())
+    assert "model_00003.dcp at step 3" in proc.stdout
+    assert read_log(resumed, "train") == read_log(log_dir, "train")  # same ranks, same layout: bitwise
+
+
+COUNT_GATHERS = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import train_gpt2
+calls = [0]
+gather = torch.distributed.all_gather_single
+def counted(*a, **k):
+    calls[0] += 1
+    return gather(*a, **k)
+torch.distributed.all_gather_single = counted  # FSDP2's all-gather of a unit's weights
+step = train_gpt2.train_step
+def counted_step(run, n):
+    before = calls[0]
+    out = step(run, n)
+    run.ranks.print0(f"all-gathers in step {n}: {calls[0] - before}")
+    return out
+train_gpt2.train_step = counted_step
+train_gpt2.main(sys.argv[2:])
+"""
+
+
+def test_shard_grads_gathers_the_weights_once_a_step(data, tmp_path):
+    """--shard grads all-gathers each FSDP unit (2 blocks and the root) at most once per optimizer step, however many
+    micro-steps (3 here); --shard full gathers them again for every micro-step's forward and backward."""
+    script = tmp_path / "count.py"
+    script.write_text(COUNT_GATHERS)
+    counts = {}
+    for shard in ("grads", "full"):
+        args = tiny_run_args(data, tmp_path / shard, *EQUAL, "--shard", shard, "--max_steps", "2")
+        proc = subprocess.run([*TORCHRUN, str(script), REPO, *map(str, args)], capture_output=True, text=True,
+                              env=clean_env(), timeout=LIMIT)
+        assert proc.returncode == 0, proc.stderr
+        counts[shard] = [int(n) for n in re.findall(r"all-gathers in step \d+: (\d+)", proc.stdout)]
+    assert len(counts["grads"]) == 2 and max(counts["grads"]) <= 3, counts
+    assert min(counts["full"]) >= 3 * 3, counts

@@ -1,0 +1,142 @@
+"""Pipeline parallel (--pp, plumbing/pipeline.py), proven equal to one process: 2 and 3 stages, 2 replicas x 2 stages,
+checkpoints that cross layouts, the stage split, and the layouts refused with one line.
+
+A 4-block tiny model, so that 3 stages have blocks to hold (one stage gets two); 384 tokens a step = 2 rows x 32 tokens
+x 6 micro-batches (3 on each of 2 replicas): the same data and the same mean gradient as one process, whose losses and
+final weights they match to about 1e-6.
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import train_gpt2
+from conftest import LIMIT, REPO, clean_env, final_weights_diff, make_shards, read_log, run_launched, run_train, tiny_run_args
+from plumbing import pipeline
+from test_distributed import assert_same_run
+
+pytestmark = pytest.mark.xdist_group("multiprocess")
+
+TOL = 1e-5
+EQUAL = ["--batch_size", "2", "--total_batch_size", "384", "--n_layer", "4"]
+
+
+def torchrun(n):
+    return (sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}")
+
+
+def printed_norms(stdout):
+    return [float(n) for n in re.findall(r"\| norm ([\d.]+) \|", stdout)]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_shards(tmp_path_factory.mktemp("pp") / "data")
+
+
+@pytest.fixture(scope="module")
+def single(data, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("single") / "log"
+    return log_dir, run_train(tiny_run_args(data, log_dir, *EQUAL), env=clean_env(), timeout=LIMIT)
+
+
+@pytest.fixture(scope="module")
+def pp2(data, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("pp2") / "log"
+    return log_dir, run_launched(tiny_run_args(data, log_dir, *EQUAL, "--pp", "2"), torchrun(2), clean_env())
+
+
+@pytest.mark.parametrize("ranks,flags", [(2, ["--pp", "2"]), (3, ["--pp", "3"]), (2, ["--pp", "2", "--pp_schedule", "gpipe"]),
+                                         (4, ["--pp", "2"])], ids=["pp2", "pp3", "pp2-gpipe", "dp2xpp2"])
+def test_pipeline_equals_one_process(data, single, pp2, tmp_path, ranks, flags):
+    """The losses of 6 steps, the val losses, the gradient norms (clipping's: the tied weight counted once) and the
+    final weights of one process, on every layout; the run's own end check has found the replicas of each stage
+    and the tied weight's two copies equal (it stops the run otherwise)."""
+    if flags == ["--pp", "2"] and ranks == 2:
+        log_dir, proc = pp2
+    else:
+        log_dir = tmp_path / "log"
+        proc = run_launched(tiny_run_args(data, log_dir, *EQUAL, *flags), torchrun(ranks), clean_env())
+    pp, dp = int(flags[1]), ranks // int(flags[1])
+    assert f"pipeline: {pp} stages x {dp} data-parallel replica(s)" in proc.stdout
+    assert f"bubble (N-1)/(M+N-1) = {(pp - 1) / (6 // dp + pp - 1):.1%}" in proc.stdout
+    worst = assert_same_run(single[0], log_dir)
+    print(f"{ranks} ranks {' '.join(flags)} vs 1 process: largest train loss difference {worst:.1e}")
+    assert final_weights_diff(single[0], log_dir) <= TOL
+    norms, reference = printed_norms(proc.stdout), printed_norms(single[1].stdout)
+    assert len(norms) == 6 and max(abs(a - b) for a, b in zip(norms, reference)) <= 2e-4, (norms, reference)
+    assert re.search(rf"parameter sha256 \(all {ranks} rank\(s\)\): [0-9a-f]{{64}}", proc.stdout)
+
+
+def stopped_after_step_3(run_dir, copy):
+    shutil.copytree(run_dir, copy)
+    for f in train_gpt2.list_checkpoints(str(copy))[1:]:
+        os.remove(f)
+    return copy
+
+
+def test_checkpoints_cross_layouts(data, single, pp2, tmp_path):
+    """A pipeline's checkpoint is one process's format: it resumes on one process, and one process's (which is also
+    DDP's) resumes on a pipeline, each continuing the uninterrupted run; sample.py reads it."""
+    assert sorted(os.listdir(pp2[0])) == ["args.json", "lock", "log.txt", "model_00003.pt", "model_00006.pt"]
+    to_one = stopped_after_step_3(pp2[0], tmp_path / "to_one")
+    proc = run_train(["--resume", "--log_dir", to_one], env=clean_env(), timeout=LIMIT)
+    assert "model_00003.pt at step 3" in proc.stdout and "pipeline:" not in proc.stdout
+    assert_same_run(single[0], to_one)
+    assert final_weights_diff(single[0], to_one) <= TOL
+    to_pp = stopped_after_step_3(single[0], tmp_path / "to_pp")
+    proc = run_launched(["--resume", "--log_dir", to_pp, "--pp", "2"], torchrun(2), clean_env())
+    assert "model_00003.pt at step 3" in proc.stdout and "pipeline: 2 stages" in proc.stdout
+    assert_same_run(single[0], to_pp)
+    assert final_weights_diff(single[0], to_pp) <= TOL
+    sample = subprocess.run([sys.executable, "sample.py", "--ckpt_path", str(pp2[0] / "model_00006.pt"), "--max_new_tokens",
+                             "4", "--num_samples", "1"], cwd=REPO, capture_output=True, text=True, env=clean_env())
+    assert sample.returncode == 0, sample.stderr
+
+
+def test_split_balances_compute():
+    """Contiguous runs of at least one block each, the largest stage cost as small as it can be: lm_head (here worth
+    3 blocks) pushes blocks toward the first stages."""
+    assert pipeline.split_blocks(12, 3, 1.0, 3.0) == [(0, 5), (5, 10), (10, 12)]
+    assert pipeline.split_blocks(4, 3, 1.0, 0.0) in ([(0, 2), (2, 3), (3, 4)], [(0, 1), (1, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)])
+    assert pipeline.split_blocks(4, 4, 1.0, 100.0) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    config = train_gpt2.GPTConfig(n_layer=12, n_embd=768, vocab_size=50304)
+    bounds = pipeline.split_blocks(12, 3, *pipeline.stage_costs(config, 1024))
+    # GPT-2 (124M): lm_head costs about 4.5 blocks, so the last stage gets 1 (cost 5.5), the others 5 and 6
+    assert [b - a for a, b in bounds] in ([5, 6, 1], [6, 5, 1])
+
+
+def test_bad_layouts_are_one_line(data, tmp_path):
+    from train_args import build_parser, check_args
+    def refused(world_size, *flags):
+        args = build_parser().parse_args(["--data_dir", data, *flags])
+        with pytest.raises(SystemExit) as e:
+            check_args(args, world_size)
+        return str(e.value)
+    assert "--pp 5: more stages than the model's 4 blocks" in refused(5, "--pp", "5", "--n_layer", "4")
+    assert "--pp 2: the world size 3 is not a multiple" in refused(3, "--pp", "2")
+    message = refused(2, "--pp", "2", "--batch_size", "2", "--seq_len", "32", "--total_batch_size", "64")
+    assert "--pp_schedule 1f1b needs at least 2 micro-batches a step" in message and "gpipe" in message
+    proc = run_train(tiny_run_args(data, tmp_path / "log", "--pp", "2"), check=False)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("error: --pp 2: the world size 1")
+    assert "Traceback" not in proc.stderr
+
+
+def test_pipeline_on_task_data_equals_one_process(tmp_path):
+    """Packed task rows with answers of uneven length: each micro-batch's loss weighs by its share of the step's
+    targets (4 micro-batches of one row a step), and the packing reaches every stage."""
+    from test_finetune_train import task_run_args, uneven_task
+    task = uneven_task(tmp_path)
+    equal = ["--batch_size", "1", "--total_batch_size", "256", "--n_layer", "4"]
+    run_train(task_run_args(task, tmp_path / "single", *equal), env=clean_env(), timeout=LIMIT)
+    proc = run_launched(task_run_args(task, tmp_path / "pp", *equal, "--pp", "2"), torchrun(2), clean_env())
+    assert "pipeline: 2 stages" in proc.stdout
+    ref, got = read_log(tmp_path / "single", "train"), read_log(tmp_path / "pp", "train")
+    assert sorted(got) == sorted(ref) == [0, 1, 2, 3]
+    assert max(abs(ref[s] - got[s]) for s in ref) <= TOL, (ref, got)
+    assert all(abs(a - b) <= 1e-4 for a, b in zip(read_log(tmp_path / "single", "val").values(),
+                                                  read_log(tmp_path / "pp", "val").values()))
+    assert final_weights_diff(tmp_path / "single", tmp_path / "pp") <= TOL
