@@ -3,9 +3,7 @@ base of another run (full fine-tuning, new adapters, in bf16, sharded), --lora o
 would change the adapters' targets or scale, --lora_alpha 0, and the default --seq_len capped by the base's context."""
 import contextlib
 import json
-import os
 
-import numpy as np
 import pytest
 import torch
 
