@@ -14,7 +14,8 @@ from conftest import free_port, make_shards, read_log, run_train, save_random_hf
 from plumbing import checkpoints, sharding, world
 from train_gpt2 import GPT, GPTConfig
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# one worker builds the LoRA run that most of these tests read (a module fixture is per xdist worker)
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("lora_edges")]
 
 SMALL = GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
 
