@@ -3,9 +3,7 @@ base of another run (full fine-tuning, new adapters, in bf16, sharded), --lora o
 would change the adapters' targets or scale, --lora_alpha 0, and the default --seq_len capped by the base's context."""
 import contextlib
 import json
-import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,7 +14,8 @@ from conftest import free_port, make_shards, read_log, run_train, save_random_hf
 from plumbing import checkpoints, sharding, world
 from train_gpt2 import GPT, GPTConfig
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# one worker builds the LoRA run that most of these tests read (a module fixture is per xdist worker)
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("lora_edges")]
 
 SMALL = GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
 
