@@ -5,6 +5,7 @@ same batches in the same order, step by step, in one process (one thread by defa
     python bench/twin_hf.py                                   # 12 x 128, 32 rows of 128 a step, bf16, 400 steps
     python bench/twin_hf.py --dtype fp32 --steps 50
     python bench/twin_hf.py --n_embd 768 --n_head 12 --steps 4 --dtype both   # GPT-2's shape
+    python bench/twin_hf.py --compile --stop_at 25                            # our step under torch.compile
 
 ours  train_gpt2.train_step on a train_gpt2.Run: our GPT, configure_optimizer (fused AdamW, decay on the matrices),
       get_lr, clipping, the chunked loss of plumbing/fused_loss.py, speedups.autocast.
@@ -102,13 +103,14 @@ class OneBatch:
 
 
 class Ours:
-    """Our loop: train_gpt2.train_step on a Run as main() fills it (one rank, no accumulation, no compile)."""
+    """Our loop: train_gpt2.train_step on a Run as main() fills it (one rank, no accumulation; --compile: compiled)."""
 
     def __init__(self, model, args, dtype):
         args = Namespace(**vars(args), shard="none", total_batch_size=args.batch_size * args.seq_len)
         self.run = Run(args, world.Ranks(0, 1, 0, 1, "single"), None)
         self.run.train_loader, self.run.autocast = OneBatch(), speedups.autocast(dtype, "cpu")
-        self.run.raw_model = self.run.model = self.model = model
+        self.run.raw_model = self.model = model  # (evaluation runs the raw model, as train_gpt2.evaluate does)
+        self.run.model = speedups.compile_model(model) if args.compile else model  # as prepare_training does
         self.run.optimizer, fused = model.configure_optimizer(args.weight_decay, args.max_lr, "cpu")
         assert fused
 
@@ -191,6 +193,8 @@ def parse_args(argv=None):
     p.add_argument("--val_tokens", type=int, default=32768)
     p.add_argument("--eval_every", type=int, default=100, help="val losses every N steps (and at the end)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--compile", action="store_true", help="our step compiled, as train_gpt2.py runs it by default "
+                   "(the demo runs it eager, as this bench does without the flag)")
     args = p.parse_args(argv)
     if min(args.steps, args.n_layer, args.n_head, args.n_embd, args.batch_size, args.seq_len, args.threads) <= 0:
         raise SystemExit("error: --steps, --n_layer, --n_head, --n_embd, --batch_size, --seq_len, --threads must be positive")
