@@ -145,14 +145,12 @@ def native_bf16():
             flags.update(line.split(":", 1)[1].split())
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"}) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
-def has_amx():
-    """Intel's AMX tile units for bf16 (Xeon 4th generation on): matmuls several times AVX-512's rate."""
+def has_amx():  # Intel's AMX tile units for bf16 (Xeons since their 4th generation): matmuls at several times AVX-512's rate
     return any(line.split(":")[0].strip() == "flags" and " amx_bf16" in line for line in cpuinfo_lines())
 
 def describe_cpu(threads):
-    """The startup line: what this CPU offers, and how much of it the run uses."""
-    isa = torch.backends.cpu.get_cpu_capability() + (" + AMX" if has_amx() else "")
-    return (f"cpu: {cpu_name()}, {isa}, native bf16: "
+    """The startup line: what this CPU offers (AMX named where it has it), and how much of it the run uses."""
+    return (f"cpu: {cpu_name()}, {torch.backends.cpu.get_cpu_capability()}{' + AMX' * has_amx()}, native bf16: "
             f"{'yes' if native_bf16() else 'no'}, {threads} torch thread(s)")
 
 # The matmul rate: GFLOP/s of this CPU, on torch's threads now, at the model's matmul shape, (M, width) @
