@@ -473,7 +473,7 @@ def prepare_training(run, ckpt, ckpt_file):
     the optimizer, whether it is compiled, the first step)."""
     args, ranks, model = run.args, run.ranks, run.raw_model
     if args.pp > 1:  # the model is cut down to this rank's stage
-        run.pipe = pipeline.Pipeline(model, args, ranks, run.grad_accum_steps, ranks.print0)
+        run.pipe = pipeline.Pipeline(model, args, ranks, run.grad_accum_steps, ranks.print0, run.dtype)
     optimizer, fused = model.configure_optimizer(args.weight_decay, args.max_lr, run.device_type)
     ranks.print0(f"optimizer: AdamW, fused={fused}")
     if run.device_type == "cpu" and (line := attention.choose(run.dtype, args.batch_size, model.config.n_head, args.seq_len,

@@ -10,6 +10,7 @@ but not to read first. One topic per module:
                   the optional ways to make a step faster: torch.compile and Intel's IPEX
   checkpoints.py  run folders: checkpoint names, atomic writes, checksums, .pt and .dcp files, the lock
   sharding.py     FSDP2: a GPT split across the ranks, built without any rank holding all of it
+  pipeline.py     pipeline parallel (--pp): a GPT cut into stages on a (dp, pp) mesh, its schedule, its checkpoints
   inputs.py       what a run reads besides its arguments: the token shards' id check, OpenAI's weights
 
 This file holds what they all share: one-line errors and the cache folder with its small JSON files.

@@ -83,8 +83,10 @@ class Stage(nn.Module):
     parameters keep the whole model's names, as checkpoints have them). Inputs: token ids (first stage) or the
     residual stream (B, T, C); output: the residual stream, after ln_f on the last stage."""
 
-    def __init__(self, gpt, index, n_stages, blocks):
+    def __init__(self, gpt, index, n_stages, blocks, dtype="fp32", device_type="cpu"):
         super().__init__()
+        from plumbing import speedups  # the run's autocast, made afresh for each forward (the schedule runs them)
+        self.autocast = lambda: speedups.autocast(dtype, device_type)
         self.first, self.last, self.blocks = index == 0, index == n_stages - 1, range(*blocks)
         for i in range(len(gpt.transformer.h)):
             if i not in self.blocks:
@@ -97,7 +99,11 @@ class Stage(nn.Module):
         self.gpt = gpt
 
     def forward(self, x, side=None):
-        packed, t = side.packed if side is not None else None, self.gpt.transformer
+        with self.autocast():
+            return self.layers(x, side.packed if side is not None else None)
+
+    def layers(self, x, packed):
+        t = self.gpt.transformer
         if self.first:
             T = x.size(1)
             positions = packed.positions if packed is not None else torch.arange(T, device=x.device)
@@ -130,7 +136,7 @@ class Pipeline:
     """This rank's stage of a GPT (model: cut down to it, in place), its place on the (dp, pp) mesh, and its
     schedule. step() runs one optimizer step's forward and backward; calling it evaluates a batch."""
 
-    def __init__(self, model, args, ranks, n_microbatches, print0):
+    def __init__(self, model, args, ranks, n_microbatches, print0, dtype="fp32"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
         self.pp, self.dp = args.pp, ranks.world_size // args.pp
@@ -144,7 +150,7 @@ class Pipeline:
         self.tied_group = tied[self.replica]
         block_cost, head_cost = stage_costs(model.config, args.seq_len)
         self.bounds = split_blocks(model.config.n_layer, self.pp, block_cost, head_cost)
-        self.stage = Stage(model, self.index, self.pp, self.bounds[self.index])
+        self.stage = Stage(model, self.index, self.pp, self.bounds[self.index], dtype, device_type)
         self.first, self.last = self.stage.first, self.stage.last
         trained = self.stage
         if self.dp > 1:  # each stage's replicas average its gradients (the schedule asks for it at the last micro-batch)
@@ -169,7 +175,8 @@ class Pipeline:
         y, packed = target.y, target.packed
         if packed is not None:  # only the targets' positions through lm_head
             h, y = h.flatten(0, 1)[packed.picked], y.flatten()[packed.picked]
-        return lm_head_loss(h, self.stage.gpt.lm_head.weight, y) * target.weight
+        with self.stage.autocast():  # (lm_head's matmuls in the run's dtype, as GPT.forward under autocast)
+            return lm_head_loss(h, self.stage.gpt.lm_head.weight, y) * target.weight
 
     def step(self, batches, n_targets, max_norm):
         """One optimizer step's gradients, summed over its micro-batches (batches: [(x, y, packed)], the same on every
