@@ -427,7 +427,10 @@ def test_one_bf16_training_step_runs_on_any_cpu(tmp_path):
     cache.write_text('{"AMD EPYC|AVX512|2.13.0|2|torch.bfloat16|32": 41')  # cut short: a corrupt cache stops no run
     out = run_train(args, env={"XDG_CACHE_HOME": str(tmp_path / "cache")}).stdout
     native = cpu.native_bf16()
-    assert ("dtype: bf16 (--dtype bf16;" in out) == native and ("warning: --dtype bf16 on a CPU without" in out) != native
+    warned = "warning: --dtype bf16 on a CPU without fast bf16" in out
+    # without native bf16, always the warning; with it, the warning only where measured no faster than fp32 (an AMX
+    # Xeon at this width, one thread: bf16 ~1.3x fp32, near the 1.25 line)
+    assert ("dtype: bf16 (--dtype bf16;" in out) != warned and (native or warned)
     assert "of this CPU's bf16 matmul rate" in out
     ckpt = torch.load(tmp_path / "log" / "model_00001.pt", weights_only=True)
     assert ckpt["args"]["dtype"] == "bf16" and all(torch.isfinite(w).all() for w in ckpt["model"].values())

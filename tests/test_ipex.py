@@ -154,6 +154,7 @@ def test_ipex_with_two_ranks(data, runs, tmp_path):
 WIDE = ["--n_layer", "1", "--n_head", "12", "--n_embd", "768", "--block_size", "1024", "--seq_len", "1024",
         "--dtype", "bf16", "--max_steps", "1", "--eval_interval", "0", "--checkpoint_interval", "0", "--threads", "2"]
 needs_bf16 = pytest.mark.skipif(not BF16, reason="IPEX runs bf16 only with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT")
+needs_ipex = pytest.mark.skipif(not HAVE_IPEX, reason="needs intel_extension_for_pytorch (and its torch 2.8): .ci/intel-lane")
 
 
 @needs_bf16
@@ -191,6 +192,7 @@ def test_why_ipex_does_not_train_bf16_at_gpt2_width():
     assert all(err <= 0.02 for name, err in off.items() if ".ln_1." not in name), off
 
 
+@needs_ipex
 @needs_bf16
 def test_ipex_on_refuses_a_micro_step_whose_gradients_it_gets_wrong(tmp_path):
     """--ipex on at GPT-2's width, 4,096 rows a micro-step: one error line, before any step (the block check); --ipex
@@ -207,6 +209,7 @@ def test_ipex_on_refuses_a_micro_step_whose_gradients_it_gets_wrong(tmp_path):
     assert "step     0 |" in out
 
 
+@needs_ipex
 @needs_bf16
 def test_torch_2_8_compiles_the_bf16_step_at_gpt2_width(tmp_path):
     """torch 2.8's compiler fused the chunked loss's `fp32 += bf16 product` into an addmm of mixed dtypes, which failed

@@ -1,6 +1,7 @@
 """sample.py: KV-cached generation equals recomputing everything, seeds, both model sources; and a fine-tuned model's
 answer to --prompt, rendered with the template in its checkpoint (written out here by hand), up to <|endoftext|>."""
 import os
+import re
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ import train_gpt2
 from train_gpt2 import GPT
 from conftest import (REPO, checkpoints_of_each_kind, greedy_reference, make_shards, record_prompts, run_train,
                       save_random_hf_gpt2, save_task_checkpoint, say_eot_at, task_of, tiny_run_args, varied_model)
-from plumbing import cpu, speedups
+from plumbing import cpu
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -159,13 +160,15 @@ def test_dtype_follows_the_cpu_by_default(hf_dir, tmp_path, monkeypatch):
     """No --dtype: bf16 only where this CPU computes it natively and faster (train_gpt2.py's decision),
     said on stderr with the CPU it was made on; stdout stays the samples alone."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    expected, _ = speedups.resolve_dtype("auto", "cpu", 32)  # one thread here (one_thread), as below
     cmd = [sys.executable, os.path.join(REPO, "sample.py"), "--init_from", hf_dir, "--num_samples", "1",
            "--max_new_tokens", "4", "--device", "cpu"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path)))
     assert proc.returncode == 0, proc.stderr
-    assert f"cpu: {cpu.cpu_name()}, " in proc.stderr and f"\ndtype: {expected} (" in proc.stderr
+    # (its own measurement decides: on an AMX Xeon at this width bf16 is ~1.3x fp32, near the 1.25 line, so a second
+    # measurement made here could land on the other side)
+    expected = re.search(r"\ndtype: (bf16|fp32) \(", proc.stderr).group(1)
+    assert f"cpu: {cpu.cpu_name()}, " in proc.stderr
     assert f"(cpu, {expected}, KV cache)" in proc.stderr and "dtype:" not in proc.stdout
     assert expected == "fp32" or cpu.native_bf16()  # never bf16 where it is not native
 
