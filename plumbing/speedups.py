@@ -173,7 +173,6 @@ def ipex_gradient_error(ipex, block, batch_size, seq_len, dtype):
     norms = []
     for use_ipex in (False, True):
         model = copy.deepcopy(block)
-        names = {id(p): name for name, p in model.named_parameters()}  # (IPEX swaps modules: names by tensor)
         optimizer = torch.optim.AdamW(model.parameters())
         if use_ipex:
             model, optimizer = ipex.optimize(model, optimizer=optimizer, inplace=True,
@@ -182,7 +181,6 @@ def ipex_gradient_error(ipex, block, batch_size, seq_len, dtype):
             out = model(x)
         out.float().backward(grad)
         norms.append({name: p.grad.float().norm().item() for name, p in model.named_parameters() if p.grad is not None})
-        del names
     return max((abs(norms[1][name] / norm - 1), name) for name, norm in norms[0].items() if norm > 0)
 
 def time_block(block, batch_size, seq_len, dtype, turns=3):
