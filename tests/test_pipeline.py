@@ -97,6 +97,19 @@ def test_checkpoints_cross_layouts(data, single, pp2, tmp_path):
     assert sample.returncode == 0, sample.stderr
 
 
+def test_ddp_checkpoint_resumes_on_a_pipeline(data, single, tmp_path):
+    """DDP's checkpoint (2 ranks, stopped after step 3) resumes on 2 stages and continues the uninterrupted run: the
+    losses after resuming and the final weights are one process's."""
+    ddp = tmp_path / "ddp"
+    run_launched(tiny_run_args(data, ddp, *EQUAL), torchrun(2), clean_env())
+    resumed = stopped_after_step_3(ddp, tmp_path / "ddp_to_pp")
+    proc = run_launched(["--resume", "--log_dir", resumed, "--pp", "2"], torchrun(2), clean_env())
+    assert "model_00003.pt at step 3" in proc.stdout and "pipeline: 2 stages" in proc.stdout
+    assert sorted(read_log(resumed, "train")) == [0, 1, 2, 3, 4, 5]
+    assert_same_run(single[0], resumed)
+    assert final_weights_diff(single[0], resumed) <= TOL
+
+
 def test_split_balances_compute():
     """Contiguous runs of at least one block each, the largest stage cost as small as it can be: lm_head (here worth
     3 blocks) pushes blocks toward the first stages."""
