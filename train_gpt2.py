@@ -481,7 +481,9 @@ def prepare_training(run, ckpt, ckpt_file):
         ranks.print0(line)
     start_step = 0
     if ckpt is not None:
-        if ckpt["sharded_path"]:  # any number of ranks, sharded or not: each reads what it holds
+        if ckpt["sharded_path"] and run.pipe is not None:  # a sharded run's .dcp: each stage reads its part
+            run.pipe.load_sharded(ckpt["sharded_path"], optimizer)
+        elif ckpt["sharded_path"]:  # any number of ranks, sharded or not: each reads what it holds
             checkpoints.load_sharded(ckpt["sharded_path"], model, optimizer)
         elif run.sharded:
             sharding.load_full_optimizer_state(model, optimizer, ckpt["optimizer"])

@@ -126,7 +126,7 @@ def run_layout(net, flags, args, data_dir, log_dir, port):
     import common
     n = len(net.hosts)
     cmd = [sys.executable, os.path.join(REPO, "train_gpt2.py"), "--data_dir", data_dir, "--log_dir", log_dir,
-           "--n_layer", args.n_layer, "--n_head", args.n_head, "--n_embd", args.n_embd, "--block_size", args.seq_len,
+           "--n_layer", args.n_layer, "--n_head", args.n_head, "--n_embd", args.n_embd, "--block_size", max(args.seq_len, 1024),
            "--batch_size", 1, "--seq_len", args.seq_len, "--total_batch_size", args.tokens, "--max_steps", args.steps + 1,
            "--warmup_steps", 1, "--eval_interval", 0, "--sample_interval", 0, "--hellaswag_interval", 0,
            "--checkpoint_interval", 0, "--dtype", args.dtype, "--threads", args.threads, "--dist_timeout", 1800,
