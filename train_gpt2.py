@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from plumbing import attention, checkpoints, cpu, inputs, pipeline, sharding, speedups, world
+from plumbing import attention, checkpoints, cpu, inputs, layouts, pipeline, sharding, speedups, world
 from plumbing.checkpoints import append_log, checkpoint_path, list_checkpoints, load_checkpoint
 from plumbing.fused_loss import IGNORE, lm_head_loss
 import dataloader
@@ -356,20 +356,26 @@ DIVERGED_LOSS = 2 * math.log(PADDED_VOCAB_SIZE)
 
 class Run:
     """What travels from stage to stage. Fixed when the run starts: the arguments (resolved once, by resolve_args, and
-    never written after), this rank, the task (a finetune.py folder's), whether the run is sharded, the accumulation
-    steps. Then filled by main() with what each stage returns, in its order: the data loader, HellaSwag's examples (None:
-    not measured), the lock on --log_dir, the device, dtype and IPEX, the model, the optimizer and the wrapped model."""
+    never written after, but for the layout --parallel auto picks), this rank, the task (a finetune.py folder's), the
+    layout (sharded?, pipeline?) and the accumulation steps. Then filled by main() with what each stage returns, in
+    its order: the device, dtype and IPEX, the data loader, HellaSwag's examples (None: not measured), the lock on
+    --log_dir, the model, the optimizer and the wrapped model."""
 
     def __init__(self, args, ranks, task):
         self.args, self.ranks, self.task = args, ranks, task
-        self.sharded = args.shard != "none" and ranks.world_size > 1  # FSDP2: decided here, and only here
-        self.replicas = ranks.world_size // args.pp  # data-parallel replicas: --pp stages each (plumbing/pipeline.py)
-        self.grad_accum_steps = args.total_batch_size // (args.batch_size * args.seq_len * self.replicas)
-        self.data_ranks = pipeline.replica_ranks(ranks, args.pp) if args.pp > 1 else ranks  # what the loaders see
+        self.lay_out()
         self.pipe = None  # --pp: this rank's stage and its schedule (prepare_training)
         self.train_loader = self.hellaswag = self.lock = self.device_type = self.dtype = self.autocast = self.ipex = None
         self.raw_model = self.model = self.optimizer = None  # raw_model: the plain GPT; model: what trains
         self.compiled, self.flops_per_token, self.matmul_rate, self.lora = False, 0, None, None
+
+    def lay_out(self):
+        """What follows from the layout, --shard and --pp (set again if --parallel auto picks another: choose_layout)."""
+        args, ranks = self.args, self.ranks
+        self.sharded = args.shard != "none" and ranks.world_size > 1  # FSDP2: decided here, and only here
+        self.replicas = ranks.world_size // args.pp  # data-parallel replicas: --pp stages each (plumbing/pipeline.py)
+        self.grad_accum_steps = args.total_batch_size // (args.batch_size * args.seq_len * self.replicas)
+        self.data_ranks = pipeline.replica_ranks(ranks, args.pp) if args.pp > 1 else ranks  # what the loaders see
 
     def share_of_matmul_rate(self, dt):
         """' | N% of this CPU's fp32 matmul rate': the step's FLOPs (6 per parameter and token, 4 for a frozen one:
@@ -420,8 +426,6 @@ def set_up_machine(run):
         where = world.init_process_group(backend, ranks.rank, ranks.world_size, ranks.local_world,
                                            ranks.launcher, args.dist_timeout)
         ranks.print0(f"distributed: {ranks.launcher}, world size {ranks.world_size}, backend {backend}, master {where}")
-    if not run.sharded:  # (sharded, memory is short: what is freed goes back to the OS)
-        cpu.keep_freed_memory()
     if device_type == "cpu":  # one matmul thread per physical core, shared among the ranks on this node
         ranks.print0(cpu.set_cpu_threads(args.threads, ranks.world_size, ranks.local_world))
         ranks.print0(cpu.describe_cpu(torch.get_num_threads()))
@@ -430,6 +434,36 @@ def set_up_machine(run):
     ipex = speedups.ipex_for_dtype(ipex, args.ipex, dtype, device_type != "cpu" or torch.ops.mkldnn._is_mkldnn_bf16_supported())
     ipex = None if args.lora else ipex  # (ipex.optimize would swap out the Linear layers that carry the adapters)
     return device_type, dtype, speedups.autocast(dtype, device_type), ipex
+
+def choose_layout(run, ckpt):
+    """--parallel auto on several ranks (the default): DDP where the model fits, else the layout predicted fastest
+    from the measured links, memory and compute (plumbing/layouts.py); it sets --shard and --pp. (Not for --lora: its
+    frozen base's gradients and AdamW state cost nothing, and a pipeline does not take adapters yet.)"""
+    args, ranks = run.args, run.ranks
+    if args.parallel == "auto" and ranks.world_size > 1 and not args.lora and run.device_type == "cpu":
+        config = model_config(args, ckpt)
+        layout, why = layouts.decide(args, config, ranks, run.dtype == "bf16", run.autocast, lambda: Block(config))
+        ranks.print0(why)
+        args.shard, args.pp = layout.shard, layout.pp
+        check_args(args, ranks.world_size)
+        run.lay_out()
+    if not run.sharded:  # (sharded, memory is short: what is freed goes back to the OS)
+        cpu.keep_freed_memory()
+
+def model_config(args, ckpt):
+    """The GPTConfig this run trains, without reading any weights: the checkpoint's, the flags', or --init_from's
+    (load_model builds the model from its config before it reads a weight: the build stops it there)."""
+    if ckpt is not None or args.init_from == "scratch":
+        return GPTConfig(**ckpt["config"]) if ckpt is not None else GPTConfig(
+            block_size=args.block_size, vocab_size=PADDED_VOCAB_SIZE, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    class Found(Exception):
+        pass
+    def found(config, init_weights=False):
+        raise Found(config)
+    try:
+        load_model(args.init_from, found)
+    except Found as e:
+        return e.args[0]
 
 def build_model(run, ckpt):
     """The model: the checkpoint's weights when resuming; else a scratch GPT-2, OpenAI's weights, or one of our checkpoints.
@@ -667,8 +701,9 @@ def main(argv=None):
     args, task, ckpt, ckpt_file = resolve_args(argv, ranks)
     check_args(args, ranks.world_size)
     run = Run(args, ranks, task)
-    run.train_loader, run.hellaswag, run.lock = open_data_and_lock_log_dir(run)
     run.device_type, run.dtype, run.autocast, run.ipex = set_up_machine(run)
+    choose_layout(run, ckpt)
+    run.train_loader, run.hellaswag, run.lock = open_data_and_lock_log_dir(run)
     run.raw_model = build_model(run, ckpt)
     run.model, run.optimizer, run.compiled, start_step = prepare_training(run, ckpt, ckpt_file)
     evaluated = ckpt is not None and ckpt.get("evaluated", True)  # were start_step's evaluations done already?
