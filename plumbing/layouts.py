@@ -27,19 +27,25 @@ STATE_BYTES = 16  # per trained parameter: fp32 weight, gradient, AdamW's two mo
 
 @dataclass
 class Layout:
-    name: str  # dp, fsdp, fsdp_grads, pp
+    name: str  # dp, fsdp, fsdp_grads, pp, tp
     shard: str  # --shard
-    pp: int  # --pp (pipeline stages); data-parallel replicas: world // pp
+    pp: int  # --pp (pipeline stages)
+    tp: int = 1  # --tp (tensor-parallel ranks); data-parallel replicas: world // (pp x tp)
     memory: float = 0.0  # bytes a rank needs at most (training state, gathered weights, activations)
     sent: float = 0.0  # bytes the busiest rank sends a step
     seconds: float = 0.0  # the predicted step
 
     def flags(self):
-        return f"--parallel {self.name}" if self.pp == 1 else f"--pp {self.pp}"
+        return f"--pp {self.pp}" if self.pp > 1 else f"--tp {self.tp}" if self.tp > 1 else f"--parallel {self.name}"
+
+    def short(self):
+        return f"pp {self.pp}" if self.pp > 1 else f"tp {self.tp}" if self.tp > 1 else self.name
 
     def describe(self, world):
         what = {"dp": "data parallel (DDP)", "fsdp": "FSDP (--shard full)", "fsdp_grads": "ZeRO-2 (--shard grads)"}
-        return what.get(self.name) or f"pipeline of {self.pp} stages x {world // self.pp} data-parallel replica(s)"
+        replicas = f" x {world // (self.pp * self.tp)} data-parallel replica(s)"
+        return what.get(self.name) or (f"pipeline of {self.pp} stages" + replicas if self.pp > 1 else
+                                       f"tensor parallel over {self.tp} ranks" + replicas)
 
 # -----------------------------------------------------------------------------
 # What a layout holds and sends, computed (a rank's share; the busiest rank's where they differ)
@@ -87,6 +93,13 @@ def plan(layout, config, world, rows, seq_len, micro_steps, bf16):
     elif layout.name == "fsdp_grads":  # every weight gathered and kept, with its gradient, for the whole step
         layout.memory = (STATE_BYTES - 8) * P / world + (weight + 4) * P + acts(L)
         layout.sent = ring(world, weight * P) + ring(world, 4 * P)
+    elif layout.name == "tp":  # a 1/tp share of every block; the embeddings, LayerNorms and lm_head whole
+        t, dp = layout.tp, world // layout.tp
+        held = L * block / t + embeddings + 2 * config.n_embd
+        layout.memory = (STATE_BYTES + 4 * (dp > 1)) * held + acts(L) * (1 + 1 / t) / 2  # (half of them split)
+        # per block and micro-step, 4 all-reduces of the (B, T, C) activations or their gradients (autocast's dtype)
+        activations = rows * seq_len * config.n_embd * (2 if bf16 else 4)
+        layout.sent = micro_steps * L * 4 * 2 * ring(t, activations) + (dp > 1) * 2 * ring(dp, 4 * held)
     else:  # pipeline: the busiest stage; 1F1B keeps at most pp micro-batches' activations on the first stage
         dp = world // layout.pp
         bounds, _ = stages(config, layout.pp, seq_len)
@@ -96,10 +109,12 @@ def plan(layout, config, world, rows, seq_len, micro_steps, bf16):
         layout.sent = max(sent for _, _, sent in held)
     return layout
 
-def candidates(config, world, pp_stages_ok):
-    """Every layout this world size can run: DDP, FSDP, ZeRO-2, and pipelines of every stage count that divides it."""
+def candidates(config, world, pp_stages_ok, tp=True):
+    """Every layout this world size can run: DDP, FSDP, ZeRO-2, pipelines of every stage count that divides it, and
+    tensor parallel over every rank count that divides it and the heads."""
     layouts = [Layout(name, *FORCED[name]) for name in ("dp", "fsdp", "fsdp_grads")]
     layouts += [Layout("pp", "none", pp) for pp in range(2, world + 1) if world % pp == 0 and pp_stages_ok(pp)]
+    layouts += [Layout("tp", "none", 1, t) for t in range(2, world + 1) if tp and world % t == 0 and config.n_head % t == 0]
     return layouts
 
 # -----------------------------------------------------------------------------
@@ -166,7 +181,10 @@ def predict(layout, config, world, seq_len, micro_steps, block_seconds, link):
     bandwidth, latency = link
     L = config.n_layer
     block_cost, head_cost = pipeline.stage_costs(config, seq_len)
-    if layout.pp == 1:
+    if layout.tp > 1:  # the blocks' work split; the embeddings, lm_head and the loss done by every rank
+        compute = micro_steps * (L / layout.tp + head_cost / block_cost) * block_seconds
+        messages = micro_steps * L * 4
+    elif layout.pp == 1:
         compute = micro_steps * (L + head_cost / block_cost) * block_seconds
         messages = micro_steps * 3 * (L + 1) if layout.name == "fsdp" else 3 * (L + 1)
     else:
@@ -194,8 +212,8 @@ def decide(args, config, ranks, bf16, autocast, make_block):
     W = ranks.world_size
     free = free_memory(ranks, args.max_memory)
     micro = lambda dp: args.total_batch_size // (args.batch_size * args.seq_len * dp)  # noqa: E731
-    layouts = [plan(l, config, W, args.batch_size, args.seq_len, micro(W // l.pp), bf16)
-               for l in candidates(config, W, lambda pp: pp <= config.n_layer and micro(W // pp) >= pp)]
+    layouts = [plan(l, config, W, args.batch_size, args.seq_len, micro(W // (l.pp * l.tp)), bf16)
+               for l in candidates(config, W, lambda pp: pp <= config.n_layer and micro(W // pp) >= pp, tp=hasattr(args, "tp"))]
     dp = layouts[0]
     if dp.memory <= HEADROOM * free:
         return dp, (f"parallel: {dp.describe(W)}: the training state and activations, ~{gib(dp.memory)} a rank, fit "
@@ -203,7 +221,7 @@ def decide(args, config, ranks, bf16, autocast, make_block):
     link = measure_link(ranks)
     block_seconds = time_block(make_block, args.batch_size, args.seq_len, config.n_embd, autocast, ranks)
     for layout in layouts:
-        predict(layout, config, W, args.seq_len, micro(W // layout.pp), block_seconds, link)
+        predict(layout, config, W, args.seq_len, micro(W // (layout.pp * layout.tp)), block_seconds, link)
     chosen, runner_up = choose(layouts, free, fits_alone=False)
     measured = (f"link {link[0] / 1e6:.0f} MB/s, {link[1] * 1e6:.0f} us; a block {block_seconds * 1000:.0f} ms; "
                 f"{gib(free)} free a rank")
@@ -213,7 +231,7 @@ def decide(args, config, ranks, bf16, autocast, make_block):
                          f"rank (the least, {least.describe(W)}, needs ~{gib(least.memory)}): more ranks, a smaller "
                          f"--batch_size, or --max_memory")
     line = lambda l: f"{l.describe(W)}: {l.seconds:.2f} s a step, {l.sent / 1e6:.0f} MB sent, {gib(l.memory)} a rank"  # noqa: E731
-    every = ", ".join(f"{l.name if l.pp == 1 else f'pp {l.pp}'} {l.seconds:.2f} s" + (" (does not fit)" if l.memory >
+    every = ", ".join(f"{l.short()} {l.seconds:.2f} s" + (" (does not fit)" if l.memory >
                       HEADROOM * free else "") for l in layouts)
     return chosen, (f"parallel: {line(chosen)} (predicted; {measured}); runner-up {line(runner_up) if runner_up else 'none'}"
                     f" ({(runner_up or chosen).flags()} forces it); DDP would need ~{gib(dp.memory)} a rank\n"

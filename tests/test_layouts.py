@@ -14,12 +14,12 @@ EQUAL = ["--batch_size", "2", "--total_batch_size", "384", "--n_layer", "4"]
 
 def micro_steps(layout, world=3, rows=1, seq_len=256, tokens=6144):
     """Each data-parallel replica's micro-steps: a pipeline's replicas are world / pp (one: all the step's rows)."""
-    return tokens // (rows * seq_len * (world // layout.pp))
+    return tokens // (rows * seq_len * (world // (layout.pp * layout.tp)))
 
 
 def planned(config=GPT2, world=3, rows=1, seq_len=256, tokens=6144, bf16=False):
     """The issue's benchmark: GPT-2 (124M) on 3 ranks, rows of 256, 6,144 tokens a step."""
-    return {l.name if l.pp == 1 else f"pp{l.pp}": layouts.plan(l, config, world, rows, seq_len,
+    return {l.short().replace(" ", ""): layouts.plan(l, config, world, rows, seq_len,
                                                                micro_steps(l, world, rows, seq_len, tokens), bf16)
             for l in layouts.candidates(config, world, lambda pp: True)}
 
@@ -38,6 +38,10 @@ def test_what_each_layout_holds_and_sends():
     assert p["fsdp_grads"].sent == pytest.approx(2 / 3 * 4 * P * 2)
     # the issue's acceptance, on paper: the busiest pipeline rank sends <= 10% of FSDP's, ZeRO-2 <= 25%
     assert p["pp3"].sent <= 0.10 * p["fsdp"].sent and p["fsdp_grads"].sent <= 0.25 * p["fsdp"].sent
+    # tensor parallel: 4 all-reduces (2 (n-1)/n of them sent) of a micro-batch's activations per block, forward and
+    # backward, in each of the 24 micro-steps (one replica: all the step's rows); every block split 3 ways
+    assert p["tp3"].sent == pytest.approx(24 * 12 * 4 * 2 * 2 / 3 * (256 * 768 * 4))
+    assert p["tp3"].memory < 0.6 * p["dp"].memory
     # bf16: FSDP gathers bf16 weights (half the bytes of the gathers), the gradients stay fp32
     b = planned(bf16=True)
     assert b["fsdp"].sent == pytest.approx(8 * (2 * 2 / 3 * 2 * P + 2 / 3 * 4 * P))
