@@ -437,16 +437,20 @@ def set_up_machine(run):
 
 def choose_layout(run, ckpt):
     """--parallel auto on several ranks (the default): DDP where the model fits, else the layout predicted fastest
-    from the measured links, memory and compute (plumbing/layouts.py); it sets --shard and --pp. (Not for --lora: its
-    frozen base's gradients and AdamW state cost nothing, and a pipeline does not take adapters yet.)"""
+    from the measured links, memory and compute (plumbing/layouts.py); it sets --shard and --pp. A forced layout that
+    cannot fit is one error line. (Not for --lora: its frozen base's gradients and AdamW state cost nothing, and a
+    pipeline does not take adapters yet.)"""
     args, ranks = run.args, run.ranks
-    if args.parallel == "auto" and ranks.world_size > 1 and not args.lora and run.device_type == "cpu":
+    if ranks.world_size > 1 and not args.lora and run.device_type == "cpu":
         config = model_config(args, ckpt)
-        layout, why = layouts.decide(args, config, ranks, run.dtype == "bf16", run.autocast, lambda: Block(config))
-        ranks.print0(why)
-        args.shard, args.pp = layout.shard, layout.pp
-        check_args(args, ranks.world_size)
-        run.lay_out()
+        if args.parallel != "auto":  # forced: refused if it cannot fit
+            layouts.check_fits(args, config, ranks, run.dtype == "bf16")
+        else:
+            layout, why = layouts.decide(args, config, ranks, run.dtype == "bf16", run.autocast, lambda: Block(config))
+            ranks.print0(why)
+            args.shard, args.pp = layout.shard, layout.pp
+            check_args(args, ranks.world_size)
+            run.lay_out()
     if not run.sharded:  # (sharded, memory is short: what is freed goes back to the OS)
         cpu.keep_freed_memory()
 

@@ -206,6 +206,19 @@ def choose(layouts, free, fits_alone):
 def gib(b):
     return f"{b / 2**30:.2f} GiB"
 
+def check_fits(args, config, ranks, bf16):
+    """A layout forced (--parallel NAME, --shard, --pp, --tp) that cannot fit: one error line with the memory it needs
+    and has, before the model is built. (Held to all the free memory, not 90%: the estimate is not exact.)"""
+    W, tp = ranks.world_size, getattr(args, "tp", 1)
+    name = "pp" if args.pp > 1 else "tp" if tp > 1 else {"none": "dp", "full": "fsdp", "grads": "fsdp_grads"}[args.shard]
+    micro = args.total_batch_size // (args.batch_size * args.seq_len * (W // (args.pp * tp)))
+    layout = plan(Layout(name, args.shard, args.pp, tp), config, W, args.batch_size, args.seq_len, micro, bf16)
+    free = free_memory(ranks, args.max_memory)
+    if layout.memory > free:
+        raise SystemExit(f"error: {layout.describe(W)} needs ~{gib(layout.memory)} a rank (training state and "
+                         f"activations), and a rank has {gib(free)}" + (" (--max_memory)" if args.max_memory else " free")
+                         + ": more ranks, a smaller --batch_size, or another layout (--parallel auto chooses one)")
+
 def decide(args, config, ranks, bf16, autocast, make_block):
     """--parallel auto on `ranks`: the Layout to train with, and the line that says why (see the top of this file).
     args: the run's (batch_size, seq_len, total_batch_size, max_memory)."""

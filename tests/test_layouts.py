@@ -108,3 +108,13 @@ def test_bad_layout_flags_are_one_line(data, tmp_path):
                            (["--max_memory", "0"], "--max_memory 0: give a positive number of GiB")]:
         proc = run_train(tiny_run_args(data, tmp_path / "log", *flags), check=False, env=clean_env())
         assert proc.returncode != 0 and f"error: {message}" in proc.stderr + proc.stdout
+
+
+@pytest.mark.xdist_group("multiprocess")
+def test_a_forced_layout_that_cannot_fit_is_one_line(data, tmp_path):
+    proc = run_launched(tiny_run_args(data, tmp_path / "log", *EQUAL, "--parallel", "fsdp", "--max_memory", "0.001"),
+                        torchrun(2), clean_env(), check=False)
+    assert proc.returncode != 0
+    assert re.search(r"error: FSDP \(--shard full\) needs ~0\.0\d GiB a rank \(training state and activations\), and a "
+                     r"rank has 0\.00 GiB \(--max_memory\)", proc.stdout + proc.stderr), proc.stdout + proc.stderr
+    assert "model:" not in proc.stdout  # before the model is built
