@@ -12,6 +12,7 @@ import lora
 from plumbing import cache_dir, one_line
 from plumbing.checkpoints import list_checkpoints, load_checkpoint
 from plumbing.inputs import find_shards
+from plumbing import tensor_parallel
 from plumbing.pipeline import check_layout
 
 # -----------------------------------------------------------------------------
@@ -67,6 +68,8 @@ def build_parser(defaults=True):
       "(world = data-parallel replicas x stages; plumbing/pipeline.py)")
     a("--pp_schedule", choices=["1f1b", "gpipe"], default=d("1f1b"), help="--pp's schedule: 1f1b (at most N micro-batches' "
       "activations held per stage) or gpipe (every forward, then every backward)")
+    a("--tp", type=int, default=d(1), help="tensor parallel: every block's matmuls split across this many ranks, by heads "
+      "and MLP columns (world = data-parallel replicas x tensor-parallel ranks; plumbing/tensor_parallel.py)")
     a("--dist_timeout", type=float, default=d(300), help="seconds a collective may wait for the other ranks")
     a("--threads", type=int, default=d(0), help="torch threads per rank (0 = physical cores / ranks per node)")
     a("--epochs", type=int, default=d(None), help="task data (a finetune.py folder): passes over the training "
@@ -152,7 +155,7 @@ def resolve_args(argv, ranks):
         saved = {**vars(args), **saved_args}  # a flag newer than the checkpoint keeps its default
         saved.update({k: v for k, v in given.items() if k in saved})
         saved.update(resume=args.resume, overwrite=False, log_dir=given.get("log_dir", saved["log_dir"]))
-        for layout in ("pp", "pp_schedule"):  # the launch decides the layout: a checkpoint resumes on any (pipeline.py)
+        for layout in ("pp", "pp_schedule", "tp"):  # the launch decides the layout: a checkpoint resumes on any (pipeline.py)
             saved[layout] = given.get(layout, vars(args)[layout])
         args = argparse.Namespace(**saved)
     if not args.resume and (args.demo or (not find_shards(args.data_dir, "train") and "data_dir" not in given)):
@@ -211,7 +214,8 @@ def check_args(args, world_size):
         raise SystemExit(f"error: --data_dir {args.data_dir} does not exist (make shards with fineweb.py)")
     if args.seq_len > args.block_size and args.init_from == "scratch":
         raise SystemExit(f"error: --seq_len {args.seq_len} is longer than --block_size {args.block_size}")
-    replicas = check_layout(args, world_size)  # --pp: world = data-parallel replicas x pipeline stages
+    # world = data-parallel replicas x pipeline stages (--pp) x tensor-parallel ranks (--tp)
+    replicas = check_layout(args, tensor_parallel.check_layout(args, world_size))
     tokens_per_micro = args.batch_size * args.seq_len * replicas
     if args.total_batch_size % tokens_per_micro:
         raise SystemExit(f"error: --total_batch_size {args.total_batch_size} is not divisible by --batch_size "
