@@ -223,14 +223,16 @@ def rank_plan(config, tp, dp, batch, seq_len, n_microbatches, dtype):
     """(parameters a rank holds, bytes it sends a step under tp, bytes under dp). A block's 12 C^2 + 13 C parameters:
     its four matrices (12 C^2) and c_attn's and c_fc's biases (7 C) split in tp shares; c_proj's two biases and the two
     LayerNorms (6 C) whole; the embeddings' (V + block_size) C (lm_head is wte) and ln_f's 2 C whole.
-    Sent under tp: per micro-batch and block, 2 all-reduces forward and 2 backward of B T C activations, in the forward's
-    dtype (bf16: 2 bytes, else 4); a ring all-reduce sends 2 (tp-1)/tp of its tensor from each rank:
-        tp bytes = n_microbatches x n_layer x 4 x 2 (tp-1)/tp x B T C x bytes per element
+    Sent under tp: per micro-batch and block, 2 all-reduces of B T C activations forward, in the forward's dtype (c_proj's
+    outputs: bf16 2 bytes, fp32 4), and 2 backward, in fp32 (the gradients of c_attn's and c_fc's inputs reach the
+    all-reduce after autocast's cast back: seen in tests/test_tensor_parallel.py); a ring all-reduce sends 2 (tp-1)/tp
+    of its tensor from each rank:
+        tp bytes = n_microbatches x n_layer x 2 x 2 (tp-1)/tp x B T C x (forward's bytes per element + 4)
     Under dp: the replicas' all-reduce of the rank's fp32 gradients, 2 (dp-1)/dp x parameters x 4."""
     C, V, L = config.n_embd, config.vocab_size, config.n_layer
     params = L * ((12 * C * C + 7 * C) / tp + 6 * C) + (V + config.block_size) * C + 2 * C
-    element = 2 if dtype == "bf16" else 4
-    tp_bytes = n_microbatches * L * 4 * 2 * (tp - 1) / tp * batch * seq_len * C * element
+    forward = 2 if dtype == "bf16" else 4
+    tp_bytes = n_microbatches * L * 2 * 2 * (tp - 1) / tp * batch * seq_len * C * (forward + 4)
     return params, tp_bytes, 2 * (dp - 1) / dp * params * 4
 
 def plan_line(tp):

@@ -129,3 +129,64 @@ def test_bad_layouts_are_one_line(data, tmp_path):
     proc = run_train(tiny_run_args(data, tmp_path / "log", "--tp", "2"), check=False)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("error: --tp 2: the world size 1")
     assert "Traceback" not in proc.stderr
+
+
+TRAFFIC = '''
+import json, sys, torch, torch.distributed as dist
+from types import SimpleNamespace
+from torch.utils._python_dispatch import TorchDispatchMode
+sys.path.insert(0, sys.argv[1])
+from train_gpt2 import GPT, GPTConfig
+from plumbing import tensor_parallel
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+config = GPTConfig(block_size=16, vocab_size=128, n_layer=2, n_head=2, n_embd=8)
+seen = []
+class Record(TorchDispatchMode):  # every collective the step makes: DTensor's (functional) ones and ours
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "c10d" in str(func):
+            seen.append([str(func), str(args[0].dtype) if hasattr(args[0], "dtype") else "", list(getattr(args[0], "shape", []))])
+        return func(*args, **(kwargs or {}))
+out = {}
+for dtype in ("fp32", "bf16"):
+    tp = tensor_parallel.TensorParallel(GPT(config), SimpleNamespace(tp=2, batch_size=2, seq_len=16),
+                                        SimpleNamespace(world_size=2, rank=dist.get_rank(), device="cpu"), 3, lambda *a: None, dtype)
+    x = torch.randint(0, 128, (2, 16))
+    seen.clear()
+    with Record():
+        tp.step([(x, x, None)] * 3, None, 1.0)
+    out[dtype] = {"seen": list(seen), "plan": tensor_parallel.rank_plan(config, 2, 1, 2, 16, 3, dtype)[1]}
+if dist.get_rank() == 0:
+    print(json.dumps(out))
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.xdist_group("multiprocess")
+def test_traffic_is_the_plan_lines(tmp_path):
+    """What --tp sends, recorded during a step of 3 micro-batches through 2 blocks: per micro-batch and block 2
+    all-reduces of (B, T, C) forward, in the forward's dtype, and 2 backward, in fp32; their bytes (2 (N-1)/N of each
+    tensor from each rank) are the plan line's. Beside them, only clipping's one all-reduce of a number."""
+    import json
+    from conftest import REPO
+    script = tmp_path / "traffic.py"
+    script.write_text(TRAFFIC)
+    proc = run_launched_script(script, REPO)
+    for dtype, got in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        activations = [(d, s) for f, d, s in got["seen"] if "_c10d_functional.all_reduce" in f]
+        forward = "torch.bfloat16" if dtype == "bf16" else "torch.float32"
+        assert activations == 3 * ([(forward, [2, 16, 8])] * 4 + [("torch.float32", [2, 16, 8])] * 4), got["seen"]
+        sends = ("all_reduce", "allreduce", "gather", "scatter", "broadcast", "send", "recv")  # (not waits, wrappers)
+        rest = [f for f, d, s in got["seen"] if any(w in f for w in sends) and "_c10d_functional.all_reduce" not in f]
+        assert len(rest) == 1 and "allreduce" in rest[0], rest  # the clipping norm's squares
+        sent = sum(2 * 16 * 8 * (2 if d == "torch.bfloat16" else 4) for d, _ in activations) * 2 * (2 - 1) / 2
+        assert got["plan"] == sent, (dtype, got["plan"], sent)
+
+
+def run_launched_script(script, repo):
+    import subprocess
+    proc = subprocess.run([*torchrun(2), str(script), repo], capture_output=True, text=True, env=clean_env(), cwd=repo,
+                          timeout=LIMIT)
+    assert proc.returncode == 0, proc.stderr
+    return proc
