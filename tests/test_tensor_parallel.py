@@ -104,6 +104,24 @@ def test_checkpoints_cross_layouts(single, tp2, tmp_path):
     assert final_weights_diff(single[0], to_tp) <= TOL
 
 
+@pytest.mark.xdist_group("multiprocess")
+def test_tensor_parallel_on_task_data_equals_one_process(tmp_path):
+    """Packed task rows with answers of uneven length, on 2 replicas x 2 ranks: attention inside each example on the
+    rank's heads, and each micro-batch's loss weighed by its share of the step's targets (2 micro-batches of one row
+    a step on each replica)."""
+    from conftest import read_log
+    from test_finetune_train import task_run_args, uneven_task
+    task = uneven_task(tmp_path)
+    equal = ["--batch_size", "1", "--total_batch_size", "256", *EAGER]
+    run_train(task_run_args(task, tmp_path / "single", *equal), env=clean_env(), timeout=LIMIT)
+    proc = run_launched(task_run_args(task, tmp_path / "tp", *equal, "--tp", "2"), torchrun(4), clean_env())
+    assert "tensor parallel: 2 ranks x 2 data-parallel replica(s)" in proc.stdout
+    ref, got = read_log(tmp_path / "single", "train"), read_log(tmp_path / "tp", "train")
+    assert sorted(got) == sorted(ref) == [0, 1, 2, 3]
+    assert max(abs(ref[s] - got[s]) for s in ref) <= TOL, (ref, got)
+    assert final_weights_diff(tmp_path / "single", tmp_path / "tp") <= TOL
+
+
 def test_c_attn_rows_grouped_by_heads():
     """Rank r's rows of the regrouped c_attn are the q, k and v rows of its own heads, in that order; undone exactly."""
     C, tp = 8, 2  # rows 0-7 are q, 8-15 k, 16-23 v; rank 0's heads are columns 0-3 of each, rank 1's 4-7
