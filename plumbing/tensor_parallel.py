@@ -75,7 +75,7 @@ class TensorParallel:
         config = model.config
         check_divides(args.tp, config.n_head, config.n_embd)  # (a pretrained model's or a checkpoint's own sizes)
         self.tp, self.dp, self.config, self.model = args.tp, ranks.world_size // args.tp, config, model
-        self.replica = ranks.rank // self.tp
+        self.replica, self.device = ranks.rank // self.tp, ranks.device
         device_type = ranks.device.split(":")[0]
         self.mesh = init_device_mesh(device_type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
         self.tp_group, self.dp_group = self.mesh.get_group("tp"), self.mesh.get_group("dp")
@@ -97,11 +97,13 @@ class TensorParallel:
         replica; n_targets: the step's targets over all replicas, or None when every micro-batch holds as many),
         averaged over the replicas, then clipped. Returns (the step's mean loss, the global gradient norm before clipping)."""
         from plumbing.fused_loss import IGNORE
-        loss_accum = torch.zeros(())
+        loss_accum = torch.zeros((), device=self.device)
         for x, y, packed in batches:
+            x, y, packed = x.to(self.device), y.to(self.device), packed and packed.to(self.device)
             with self.autocast():
                 _, loss = self.model(x, y, packed=packed)
-            # the same weighting as train_gpt2.accumulate_gradients: each micro-batch's mean by its share of the targets
+            # as train_gpt2.accumulate_gradients weighs it: each micro-batch's mean by its share of the step's targets,
+            # times the replicas, whose gradients are then averaged
             loss = loss / len(batches) if n_targets is None else loss * (int((y != IGNORE).sum()) * self.dp / max(n_targets, 1))
             loss_accum += loss.detach()
             loss.backward()
