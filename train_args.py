@@ -12,6 +12,7 @@ import lora
 from plumbing import cache_dir, one_line
 from plumbing.checkpoints import list_checkpoints, load_checkpoint
 from plumbing.inputs import find_shards
+from plumbing import tensor_parallel
 from plumbing.pipeline import check_layout
 
 # -----------------------------------------------------------------------------
@@ -65,14 +66,16 @@ def build_parser(defaults=True):
       "grads: gradients and AdamW state split, weights gathered once a step (ZeRO-2: less traffic, more memory)")
     a("--pp", type=int, default=d(1), help="pipeline parallel: the blocks cut into this many stages, one per rank "
       "(world = data-parallel replicas x stages; plumbing/pipeline.py)")
-    a("--parallel", choices=["auto", "dp", "fsdp", "fsdp_grads", "pp"], default=d("auto"), help="how several ranks "
-      "split the training: auto: DDP where the model fits each rank, else the layout predicted fastest from the measured "
-      "links and memory (plumbing/layouts.py); dp, fsdp (--shard full), fsdp_grads (--shard grads), pp (--pp = ranks) "
-      "force one; --shard or --pp force theirs")
+    a("--parallel", choices=["auto", "dp", "fsdp", "fsdp_grads", "pp", "tp"], default=d("auto"), help="how several "
+      "ranks split the training: auto: DDP where the model fits each rank, else the layout predicted fastest from the "
+      "measured links and memory (plumbing/layouts.py); dp, fsdp (--shard full), fsdp_grads (--shard grads), pp (--pp = "
+      "ranks), tp (--tp = ranks) force one; --shard, --pp or --tp force theirs")
     a("--max_memory", type=float, default=d(None), metavar="GIB", help="--parallel auto: GiB of training state and "
       "activations a rank may hold (default: the node's available memory shared by its ranks)")
     a("--pp_schedule", choices=["1f1b", "gpipe"], default=d("1f1b"), help="--pp's schedule: 1f1b (at most N micro-batches' "
       "activations held per stage) or gpipe (every forward, then every backward)")
+    a("--tp", type=int, default=d(1), help="tensor parallel: every block's matmuls split across this many ranks, by heads "
+      "and MLP columns (world = data-parallel replicas x tensor-parallel ranks; plumbing/tensor_parallel.py)")
     a("--dist_timeout", type=float, default=d(300), help="seconds a collective may wait for the other ranks")
     a("--threads", type=int, default=d(0), help="torch threads per rank (0 = physical cores / ranks per node)")
     a("--epochs", type=int, default=d(None), help="task data (a finetune.py folder): passes over the training "
@@ -158,7 +161,7 @@ def resolve_args(argv, ranks):
         saved = {**vars(args), **saved_args}  # a flag newer than the checkpoint keeps its default
         saved.update({k: v for k, v in given.items() if k in saved})
         saved.update(resume=args.resume, overwrite=False, log_dir=given.get("log_dir", saved["log_dir"]))
-        for layout in ("pp", "pp_schedule", "parallel"):  # the launch decides the layout: a checkpoint resumes on any
+        for layout in ("pp", "pp_schedule", "tp", "parallel"):  # the launch decides the layout: a checkpoint resumes on any
             saved[layout] = given.get(layout, vars(args)[layout])
         args = argparse.Namespace(**saved)
     if not args.resume and (args.demo or (not find_shards(args.data_dir, "train") and "data_dir" not in given)):
@@ -180,18 +183,19 @@ def resolve_args(argv, ranks):
     return args, task, ckpt, ckpt_file
 
 def resolve_layout(args, given, world_size):
-    """--parallel NAME sets --shard and --pp; --shard or --pp on the command line (or a resumed sharded run's --shard)
+    """--parallel NAME sets --shard, --pp and --tp; these on the command line (or a resumed sharded run's --shard)
     are a layout forced too, so --parallel auto is left with only the runs that say nothing (then "auto" stays, for
     the trainer to decide once it has measured: plumbing/layouts.py)."""
     if args.max_memory is not None and not args.max_memory > 0:
         raise SystemExit(f"error: --max_memory {args.max_memory:g}: give a positive number of GiB")
-    if args.parallel != "auto" and ("shard" in given or "pp" in given):
-        raise SystemExit(f"error: --parallel {args.parallel} sets --shard and --pp: give one or the others")
+    degrees = [flag for flag in ("shard", "pp", "tp") if flag in given]
+    if args.parallel != "auto" and degrees:
+        raise SystemExit(f"error: --parallel {args.parallel} sets --shard, --pp and --tp: give it or --{degrees[0]}")
     if args.parallel in ("dp", "fsdp", "fsdp_grads"):
-        args.shard, args.pp = {"dp": "none", "fsdp": "full", "fsdp_grads": "grads"}[args.parallel], 1
-    elif args.parallel == "pp":
-        args.shard, args.pp = "none", world_size
-    elif "shard" in given or "pp" in given or args.shard != "none" or args.pp != 1:
+        args.shard, args.pp, args.tp = {"dp": "none", "fsdp": "full", "fsdp_grads": "grads"}[args.parallel], 1, 1
+    elif args.parallel in ("pp", "tp"):  # every rank a stage, or every rank a share of each block
+        args.shard, args.pp, args.tp = "none", *((world_size, 1) if args.parallel == "pp" else (1, world_size))
+    elif degrees or args.shard != "none" or args.pp != 1 or args.tp != 1:
         args.parallel = "flags"  # (not a choice: args.json keeps it, and a resume decides again from its flags)
 
 def check_lora_resume(ckpt, ckpt_file, given):
@@ -233,7 +237,8 @@ def check_args(args, world_size):
         raise SystemExit(f"error: --data_dir {args.data_dir} does not exist (make shards with fineweb.py)")
     if args.seq_len > args.block_size and args.init_from == "scratch":
         raise SystemExit(f"error: --seq_len {args.seq_len} is longer than --block_size {args.block_size}")
-    replicas = check_layout(args, world_size)  # --pp: world = data-parallel replicas x pipeline stages
+    # world = data-parallel replicas x pipeline stages (--pp) x tensor-parallel ranks (--tp)
+    replicas = check_layout(args, tensor_parallel.check_layout(args, world_size))
     tokens_per_micro = args.batch_size * args.seq_len * replicas
     if args.total_batch_size % tokens_per_micro:
         raise SystemExit(f"error: --total_batch_size {args.total_batch_size} is not divisible by --batch_size "

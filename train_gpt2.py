@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from plumbing import attention, checkpoints, cpu, inputs, layouts, pipeline, sharding, speedups, world
+from plumbing import attention, checkpoints, cpu, inputs, layouts, pipeline, sharding, speedups, tensor_parallel, world
 from plumbing.checkpoints import append_log, checkpoint_path, list_checkpoints, load_checkpoint
 from plumbing.fused_loss import IGNORE, lm_head_loss
 import dataloader
@@ -56,8 +56,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, cache=None, layer=0, attn_mask=None, lengths=None):
         """cache: generation's KVCache (its keys and values of the tokens so far); attn_mask, lengths: see GPT.hidden."""
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        B, T, C = *x.shape[:2], self.n_embd  # C: the width of this module's heads (--tp: this rank's share of them)
+        q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_size): heads become a batch dimension
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if lengths is not None:  # packed rows of examples
@@ -282,6 +282,10 @@ class GPT(nn.Module):
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        from torch.distributed.tensor import DTensor  # --tp's split weights: fused AdamW takes them apart from plain tensors
+        if 0 < sum(isinstance(p, DTensor) for p in params) < len(params):
+            groups = [{**g, "params": [p for p in g["params"] if isinstance(p, DTensor) == kind]}
+                      for g in groups for kind in (False, True)]
         # fused AdamW runs the whole update in one kernel; PyTorch has it for CPU since 2.4
         fused = device_type in ("cpu", "cuda", "xpu")
         return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused), fused
@@ -364,18 +368,21 @@ class Run:
     def __init__(self, args, ranks, task):
         self.args, self.ranks, self.task = args, ranks, task
         self.lay_out()
-        self.pipe = None  # --pp: this rank's stage and its schedule (prepare_training)
+        # a layout that runs the step its own way (prepare_training): --pp's stage and schedule (plumbing/pipeline.py),
+        # or --tp's share of every block (plumbing/tensor_parallel.py)
+        self.pipe = None
         self.train_loader = self.hellaswag = self.lock = self.device_type = self.dtype = self.autocast = self.ipex = None
         self.raw_model = self.model = self.optimizer = None  # raw_model: the plain GPT; model: what trains
         self.compiled, self.flops_per_token, self.matmul_rate, self.lora = False, 0, None, None
 
     def lay_out(self):
-        """What follows from the layout, --shard and --pp (set again if --parallel auto picks another: choose_layout)."""
+        """What follows from the layout, --shard, --pp and --tp (set again if --parallel auto picks another: choose_layout)."""
         args, ranks = self.args, self.ranks
         self.sharded = args.shard != "none" and ranks.world_size > 1  # FSDP2: decided here, and only here
-        self.replicas = ranks.world_size // args.pp  # data-parallel replicas: --pp stages each (plumbing/pipeline.py)
+        self.replicas = ranks.world_size // (args.pp * args.tp)  # data-parallel replicas: --pp stages x --tp ranks each
         self.grad_accum_steps = args.total_batch_size // (args.batch_size * args.seq_len * self.replicas)
-        self.data_ranks = pipeline.replica_ranks(ranks, args.pp) if args.pp > 1 else ranks  # what the loaders see
+        group = args.pp * args.tp  # the ranks of one replica read the same batches: the loaders see the replicas
+        self.data_ranks = pipeline.replica_ranks(ranks, group) if group > 1 else ranks
 
     def share_of_matmul_rate(self, dt):
         """' | N% of this CPU's fp32 matmul rate': the step's FLOPs (6 per parameter and token, 4 for a frozen one:
@@ -405,8 +412,9 @@ def open_data_and_lock_log_dir(run):
     hellaswag_examples = None  # no data (no network, say) is no reason not to train: it is just not measured
     if args.hellaswag_interval > 0 and run.sharded:  # batches differ by rank: no lock-step all-gathers
         ranks.print0("warning: no HellaSwag during sharded training: run hellaswag.py -m on a checkpoint")
-    elif args.pp > 1:  # generation through the stages is not written yet; a checkpoint holds the whole model
-        ranks.print0("pipeline: no HellaSwag, task accuracy or samples during training: run hellaswag.py -m, answer.py "
+    elif args.pp > 1 or args.tp > 1:  # generation through stages or split blocks is not written yet; a checkpoint
+        layout = "pipeline" if args.pp > 1 else "tensor parallel"  # holds the whole model
+        ranks.print0(f"{layout}: no HellaSwag, task accuracy or samples during training: run hellaswag.py -m, answer.py "
                      "or sample.py --ckpt_path on a checkpoint")
     elif args.hellaswag_interval > 0:
         import hellaswag
@@ -448,7 +456,7 @@ def choose_layout(run, ckpt):
         else:
             layout, why = layouts.decide(args, config, ranks, run.dtype == "bf16", run.autocast, lambda: Block(config))
             ranks.print0(why)
-            args.shard, args.pp = layout.shard, layout.pp
+            args.shard, args.pp, args.tp = layout.shard, layout.pp, layout.tp
             check_args(args, ranks.world_size)
             run.lay_out()
     if not run.sharded:  # (sharded, memory is short: what is freed goes back to the OS)
@@ -512,6 +520,8 @@ def prepare_training(run, ckpt, ckpt_file):
     args, ranks, model = run.args, run.ranks, run.raw_model
     if args.pp > 1:  # the model is cut down to this rank's stage
         run.pipe = pipeline.Pipeline(model, args, ranks, run.grad_accum_steps, ranks.print0, run.dtype)
+    elif args.tp > 1:  # every block split across the tensor-parallel ranks
+        run.pipe = tensor_parallel.TensorParallel(model, args, ranks, run.grad_accum_steps, ranks.print0, run.dtype)
     optimizer, fused = model.configure_optimizer(args.weight_decay, args.max_lr, run.device_type)
     ranks.print0(f"optimizer: AdamW, fused={fused}")
     if run.device_type == "cpu" and (line := attention.choose(run.dtype, args.batch_size, model.config.n_head, args.seq_len,
@@ -716,7 +726,8 @@ def main(argv=None):
         checkpoints.prepare_log_dir(args.log_dir, vars(args), overwrite=args.overwrite and not args.resume,
                                     fresh=ckpt_file is None)
     ranks.print0(f"total batch {args.total_batch_size} tokens = {args.batch_size} x {args.seq_len} x "
-                 f"{run.replicas} rank(s) x {run.grad_accum_steps} accumulation steps" + (f" (x {args.pp} stages)" if run.pipe else ""))
+                 f"{run.replicas} rank(s) x {run.grad_accum_steps} accumulation steps" + (f" (x {args.pp} stages)" if args.pp > 1 else "")
+                 + (f" (x {args.tp} tensor-parallel ranks)" if args.tp > 1 else ""))
 
     skipped, exit_code, first_dt = 0, 0, 0.0
     for step in range(start_step, args.max_steps + 1):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from plumbing import pipeline
+from plumbing import pipeline, tensor_parallel
 
 FORCED = {"dp": ("none", 1), "fsdp": ("full", 1), "fsdp_grads": ("grads", 1)}  # --parallel NAME: (--shard, --pp)
 HEADROOM = 0.9  # a layout must fit in this share of the free memory: the rest is for what the estimate leaves out
@@ -93,13 +93,12 @@ def plan(layout, config, world, rows, seq_len, micro_steps, bf16):
     elif layout.name == "fsdp_grads":  # every weight gathered and kept, with its gradient, for the whole step
         layout.memory = (STATE_BYTES - 8) * P / world + (weight + 4) * P + acts(L)
         layout.sent = ring(world, weight * P) + ring(world, 4 * P)
-    elif layout.name == "tp":  # a 1/tp share of every block; the embeddings, LayerNorms and lm_head whole
+    elif layout.name == "tp":  # a 1/tp share of every block's matrices; embeddings, LayerNorms and lm_head whole
         t, dp = layout.tp, world // layout.tp
-        held = L * block / t + embeddings + 2 * config.n_embd
-        layout.memory = (STATE_BYTES + 4 * (dp > 1)) * held + acts(L) * (1 + 1 / t) / 2  # (half of them split)
-        # per block and micro-step, 4 all-reduces of the (B, T, C) activations or their gradients (autocast's dtype)
-        activations = rows * seq_len * config.n_embd * (2 if bf16 else 4)
-        layout.sent = micro_steps * L * 4 * 2 * ring(t, activations) + (dp > 1) * 2 * ring(dp, 4 * held)
+        held, tp_bytes, dp_bytes = tensor_parallel.rank_plan(config, t, dp, rows, seq_len, micro_steps,
+                                                             "bf16" if bf16 else "fp32")
+        layout.memory = (STATE_BYTES + 4 * (dp > 1)) * held + acts(L) * (1 + 1 / t) / 2  # (about half of them split)
+        layout.sent = tp_bytes + dp_bytes
     else:  # pipeline: the busiest stage; 1F1B keeps at most pp micro-batches' activations on the first stage
         dp = world // layout.pp
         bounds, _ = stages(config, layout.pp, seq_len)

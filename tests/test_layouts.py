@@ -104,7 +104,7 @@ def test_auto_keeps_ddp_where_it_fits_and_picks_and_trains_another_where_not(dat
 
 
 def test_bad_layout_flags_are_one_line(data, tmp_path):
-    for flags, message in [(["--parallel", "fsdp", "--shard", "full"], "--parallel fsdp sets --shard and --pp"),
+    for flags, message in [(["--parallel", "fsdp", "--shard", "full"], "--parallel fsdp sets --shard, --pp and --tp: give it or --shard"),
                            (["--max_memory", "0"], "--max_memory 0: give a positive number of GiB")]:
         proc = run_train(tiny_run_args(data, tmp_path / "log", *flags), check=False, env=clean_env())
         assert proc.returncode != 0 and f"error: {message}" in proc.stderr + proc.stdout
