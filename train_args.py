@@ -64,8 +64,7 @@ def build_parser(defaults=True):
     a("--shard", choices=["none", "full", "grads"], default=d("none"), help="none: every rank holds the whole training "
       "state (DDP); full: weights, gradients and AdamW state split across the ranks (FSDP2), for models too big for one; "
       "grads: gradients and AdamW state split, weights gathered once a step (ZeRO-2: less traffic, more memory)")
-    a("--pp", type=int, default=d(1), help="pipeline parallel: the blocks cut into this many stages, one per rank "
-      "(world = data-parallel replicas x stages; plumbing/pipeline.py)")
+    a("--pp", type=int, default=d(1), help="pipeline parallel: the blocks cut into this many stages (pipeline.py)")
     a("--parallel", choices=["auto", "dp", "fsdp", "fsdp_grads", "pp", "tp"], default=d("auto"), help="how several "
       "ranks split the training: auto: DDP where the model fits each rank, else the layout predicted fastest from the "
       "measured links and memory (plumbing/layouts.py); dp, fsdp (--shard full), fsdp_grads (--shard grads), pp (--pp = "
@@ -74,8 +73,7 @@ def build_parser(defaults=True):
       "activations a rank may hold (default: the node's available memory shared by its ranks)")
     a("--pp_schedule", choices=["1f1b", "gpipe"], default=d("1f1b"), help="--pp's schedule: 1f1b (at most N micro-batches' "
       "activations held per stage) or gpipe (every forward, then every backward)")
-    a("--tp", type=int, default=d(1), help="tensor parallel: every block's matmuls split across this many ranks, by heads "
-      "and MLP columns (world = data-parallel replicas x tensor-parallel ranks; plumbing/tensor_parallel.py)")
+    a("--tp", type=int, default=d(1), help="tensor parallel: each block split over this many ranks (tensor_parallel.py)")
     a("--dist_timeout", type=float, default=d(300), help="seconds a collective may wait for the other ranks")
     a("--threads", type=int, default=d(0), help="torch threads per rank (0 = physical cores / ranks per node)")
     a("--epochs", type=int, default=d(None), help="task data (a finetune.py folder): passes over the training "

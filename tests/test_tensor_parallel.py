@@ -131,6 +131,16 @@ def test_c_attn_rows_grouped_by_heads():
     assert torch.equal(tensor_parallel.to_rank_order(tensor_parallel.to_rank_order(w, C, tp), C, tp, inverse=True), w)
 
 
+def test_parallel_tp_forces_tensor_parallel_over_every_rank():
+    from train_args import build_parser, resolve_layout
+    args = build_parser().parse_args(["--parallel", "tp"])
+    resolve_layout(args, {"parallel": "tp"}, 4)
+    assert (args.shard, args.pp, args.tp) == ("none", 1, 4)
+    args = build_parser().parse_args(["--tp", "2"])
+    resolve_layout(args, {"tp": 2}, 4)
+    assert args.parallel == "flags"  # --tp given: a layout forced, not one for --parallel auto to choose
+
+
 def test_bad_layouts_are_one_line(data, tmp_path):
     from train_args import build_parser, check_args
     def refused(world_size, *flags):
