@@ -394,6 +394,9 @@ class Run:
             config, params = self.raw_model.config, list(self.raw_model.parameters())
             self.flops_per_token = cpu.flops_per_token(sum(p.numel() for p in params), config.n_layer, config.n_embd,
                                                        self.args.seq_len) - 2 * sum(p.numel() for p in params if not p.requires_grad)
+            if self.args.pp * self.args.tp > 1:  # a replica's ranks share its work: the whole model's FLOPs, over them
+                self.flops_per_token = cpu.flops_per_token(layouts.parameters(config)[0], config.n_layer, config.n_embd,
+                                                           self.args.seq_len) / (self.args.pp * self.args.tp)
             self.matmul_rate = cpu.MatmulRate(self.dtype, config.n_embd)
         return self.matmul_rate.share(self.args.total_batch_size / self.replicas / dt * self.flops_per_token / 1e9)
 
