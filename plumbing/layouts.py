@@ -243,8 +243,8 @@ def decide(args, config, ranks, bf16, autocast, make_block):
                          f"rank (the least, {least.describe(W)}, needs ~{gib(least.memory)}): more ranks, a smaller "
                          f"--batch_size, or --max_memory")
     line = lambda l: f"{l.describe(W)}: {l.seconds:.2f} s a step, {l.sent / 1e6:.0f} MB sent, {gib(l.memory)} a rank"  # noqa: E731
-    every = ", ".join(f"{l.short()} {l.seconds:.2f} s" + (" (does not fit)" if l.memory >
-                      HEADROOM * free else "") for l in layouts)
+    every = ", ".join(f"{l.short()} {l.seconds:.2f} s" + (" (does not fit)" if l.memory > HEADROOM * free else
+                                                          " (chosen)" if l is chosen else "") for l in layouts)
     return chosen, (f"parallel: {line(chosen)} (predicted; {measured}); runner-up {line(runner_up) if runner_up else 'none'}"
                     f" ({(runner_up or chosen).flags()} forces it); DDP would need ~{gib(dp.memory)} a rank\n"
                     f"parallel: every layout's predicted step: {every}")
