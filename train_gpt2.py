@@ -532,7 +532,9 @@ def prepare_training(run, ckpt, ckpt_file):
         ranks.print0(line)
     start_step = 0
     if ckpt is not None:
-        if ckpt["sharded_path"]:  # any number of ranks, sharded or not: each reads what it holds
+        if ckpt["sharded_path"] and run.pipe is not None:  # a sharded run's .dcp: each stage reads its part
+            run.pipe.load_sharded(ckpt["sharded_path"], optimizer)
+        elif ckpt["sharded_path"]:  # any number of ranks, sharded or not: each reads what it holds
             checkpoints.load_sharded(ckpt["sharded_path"], model, optimizer)
         elif run.sharded:
             sharding.load_full_optimizer_state(model, optimizer, ckpt["optimizer"])
@@ -562,6 +564,9 @@ def prepare_training(run, ckpt, ckpt_file):
     if ranks.world_size > 1 and not run.sharded and run.pipe is None:  # DDP averages the gradients during backward, bucket by bucket
         from torch.nn.parallel import DistributedDataParallel as DDP
         model = DDP(model, device_ids=[ranks.local_rank] if run.device_type == "cuda" else None)
+    if ranks.world_size > 1 and run.pipe is None:  # what each rank will send a step (bench/bench_parallel.py measures it)
+        ranks.print0(sharding.plan_line(run.raw_model, ranks.world_size, args.shard, run.grad_accum_steps,
+                                         run.dtype == "bf16", torch.distributed.get_backend()))
     return model, optimizer, compiled, start_step
 
 def evaluate(run, step, due):

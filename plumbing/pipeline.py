@@ -287,6 +287,20 @@ class Pipeline:
         state = {i: full["state"][whole[n]] for i, n in enumerate(mine) if whole[n] in full["state"]}
         optimizer.load_state_dict({"state": state, "param_groups": groups})
 
+    def load_sharded(self, path, optimizer):
+        """A sharded run's .dcp checkpoint into this stage and its AdamW: DCP reads just this stage's tensors. The tied
+        weight is saved once, as transformer.wte.weight: the last stage's lm_head and its moments are read from it."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        names = [("lm_head.weight", "transformer.wte.weight")] if self.last else []
+        def renamed(d, back=False):
+            return {dict(names if not back else [(b, a) for a, b in names]).get(k, k): v for k, v in d.items()}
+        model_state, optimizer_state = get_state_dict(self.stage.gpt, optimizer)
+        state = {"model": renamed(model_state), "optimizer": {"state": renamed(optimizer_state["state"])}}
+        dcp.load(state, checkpoint_id=path)  # (the moments only: the param groups stay this stage's)
+        set_state_dict(self.stage.gpt, optimizer, model_state_dict=renamed(state["model"], back=True),
+                       optim_state_dict={**optimizer_state, "state": renamed(state["optimizer"]["state"], back=True)})
+
     def check_same_weights(self, ranks):
         """The end-of-run check (world.check_same_weights), for a model in stages: the replicas of each stage hold the
         same weights, the tied weight's two copies are equal, and rank 0 prints the whole model's digest (the one a

@@ -74,7 +74,7 @@ def test_pipeline_equals_one_process(data, single, pp2, tmp_path, ranks, flags):
 def stopped_after_step_3(run_dir, copy):
     shutil.copytree(run_dir, copy)
     for f in train_gpt2.list_checkpoints(str(copy))[1:]:
-        os.remove(f)
+        shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)  # (a sharded run's .dcp is a folder)
     return copy
 
 
@@ -95,6 +95,32 @@ def test_checkpoints_cross_layouts(data, single, pp2, tmp_path):
     sample = subprocess.run([sys.executable, "sample.py", "--ckpt_path", str(pp2[0] / "model_00006.pt"), "--max_new_tokens",
                              "4", "--num_samples", "1"], cwd=REPO, capture_output=True, text=True, env=clean_env())
     assert sample.returncode == 0, sample.stderr
+
+
+def test_ddp_checkpoint_resumes_on_a_pipeline(data, single, tmp_path):
+    """DDP's checkpoint (2 ranks, stopped after step 3) resumes on 2 stages and continues the uninterrupted run: the
+    losses after resuming and the final weights are one process's."""
+    ddp = tmp_path / "ddp"
+    run_launched(tiny_run_args(data, ddp, *EQUAL), torchrun(2), clean_env())
+    resumed = stopped_after_step_3(ddp, tmp_path / "ddp_to_pp")
+    proc = run_launched(["--resume", "--log_dir", resumed, "--pp", "2"], torchrun(2), clean_env())
+    assert "model_00003.pt at step 3" in proc.stdout and "pipeline: 2 stages" in proc.stdout
+    assert sorted(read_log(resumed, "train")) == [0, 1, 2, 3, 4, 5]
+    assert_same_run(single[0], resumed)
+    assert final_weights_diff(single[0], resumed) <= TOL
+
+
+def test_sharded_checkpoint_resumes_on_dp2_x_pp2(data, single, tmp_path):
+    """--shard full's .dcp checkpoint (2 ranks, stopped after step 3) resumes on 2 replicas x 2 stages, each stage
+    reading its part (the last stage's lm_head and its AdamW moments from the tied weight's one entry), and continues
+    the uninterrupted run: the losses after resuming and the final weights are one process's."""
+    sharded = tmp_path / "sharded"
+    run_launched(tiny_run_args(data, sharded, *EQUAL, "--shard", "full"), torchrun(2), clean_env())
+    resumed = stopped_after_step_3(sharded, tmp_path / "sharded_to_pp")
+    proc = run_launched(["--resume", "--log_dir", resumed, "--pp", "2", "--shard", "none"], torchrun(4), clean_env())
+    assert "model_00003.dcp at step 3" in proc.stdout and "pipeline: 2 stages x 2 data-parallel" in proc.stdout
+    assert_same_run(single[0], resumed)
+    assert final_weights_diff(single[0], resumed) <= TOL
 
 
 def test_split_balances_compute():

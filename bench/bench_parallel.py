@@ -1,0 +1,237 @@
+"""
+What does each parallel layout send over the links, and what does it cost in step time?
+
+    sudo python bench/bench_parallel.py                                   # 3 ranks, 1 Gbit/s, GPT-2 (124M)'s shape
+    sudo python bench/bench_parallel.py --rates 1gbit,200mbit --layouts full,pp3
+    sudo python bench/bench_parallel.py --ranks 4 --n_layer 4 --n_embd 64 --n_head 2   # a tiny model, dp2xpp2 too
+
+Each rank is a host of its own: a network namespace with one veth link into a bridge (in a hub namespace of its
+own), its address only inside the namespaces this script creates, the link rate-limited with tc's token bucket
+(tbf), as a cluster of CPU nodes on ordinary Ethernet would be. Every rank runs train_gpt2.py, launched with
+torchrun's variables (MASTER_ADDR = rank 0's address), on random tokens, without evaluation or checkpoints.
+
+Bytes sent: each rank's link counter (the hub's port: what arrives there is what the rank sent), read when rank 0
+prints its first measured step and again when it prints its last: rank 0 prints a step before the all-reduce that
+ends it (the stop check), so at that moment every rank has finished the step's traffic and none has begun the
+next one's; the difference over the steps between excludes the start (rendezvous, weights broadcast) and the end
+(the weights' check). Beside each rank's bytes: the trainer's own computed figure, from the plan it prints.
+Step time: the median of the measured steps' dt (the first step warms up). Peak memory: the trainer's last line.
+
+Needs root (namespaces, links, tc): without it, it says so and exits 0. It removes what it created on exit
+(also on Ctrl-C), and touches no other interface. All ranks share this machine's cores: with more ranks than
+cores, the step times compare layouts on one machine, they are not a cluster's.
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PREFIX = f"gpt2pb{os.getpid() % 100000}"  # every name this run creates starts with it: only those are removed
+
+# -----------------------------------------------------------------------------
+# The layouts: data, a name and the trainer's flags for n ranks. Another layout (--tp, a --parallel auto check) is
+# one more entry, and its computed bytes one more plan line the trainer prints (see computed_bytes).
+
+def layouts(n):
+    """{name: trainer flags} for n ranks: DDP, FSDP (ZeRO-3, ZeRO-2), a pipeline of n stages, and dp x pp for every
+    other split of n."""
+    out = {"ddp": ["--shard", "none"], "full": ["--shard", "full"], "grads": ["--shard", "grads"], f"pp{n}": ["--pp", n]}
+    for pp in range(2, n):
+        if n % pp == 0:
+            out[f"dp{n // pp}xpp{pp}"] = ["--pp", pp]
+    return out
+
+def computed_bytes(stdout, n):
+    """Each rank's bytes a step as the trainer computed them, from its plan lines: 'data parallel: ... each rank sends
+    X MB a step' (every rank alike), or a pipeline's 'stage s: ... each of its ranks sends X MB a step' (rank r is
+    stage r % pp). None for a rank the plan does not give."""
+    if m := re.search(r"^data parallel: .*each rank sends ([\d.]+) MB a step", stdout, re.M):
+        return [float(m.group(1)) * 1e6] * n
+    stages = {int(s): float(x) * 1e6 for s, x in re.findall(r"^  stage (\d+): .*each of its ranks sends ([\d.]+) MB", stdout, re.M)}
+    if m := re.search(r"^pipeline: (\d+) stages", stdout, re.M):
+        return [stages.get(r % int(m.group(1))) for r in range(n)]
+    return [None] * n
+
+# -----------------------------------------------------------------------------
+# The network: a hub namespace with a bridge, one namespace per rank, a veth pair between them
+
+def ip(*args):
+    proc = subprocess.run(["ip", *map(str, args)], capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"error: ip {' '.join(map(str, args))}: {proc.stderr.strip()}")
+    return proc.stdout
+
+class Network:
+    """n hosts on one switch, each link limited to `rate` (tc's syntax: 1gbit, 100mbit) in both directions."""
+
+    def __init__(self, n):
+        self.hub, self.hosts = f"{PREFIX}hub", [f"{PREFIX}r{i}" for i in range(n)]
+        self.addresses, self.created = [f"10.213.0.{i + 1}" for i in range(n)], []
+
+    def __enter__(self):
+        for ns in (self.hub, *self.hosts):
+            ip("netns", "add", ns)
+            self.created.append(ns)
+        ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+        ip("-n", self.hub, "link", "set", "br0", "up")
+        for i, ns in enumerate(self.hosts):
+            ip("-n", self.hub, "link", "add", f"port{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            ip("-n", self.hub, "link", "set", f"port{i}", "master", "br0", "up")
+            ip("-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0")
+            ip("-n", ns, "link", "set", "eth0", "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        return self
+
+    def __exit__(self, *exc):
+        for ns in reversed(self.created):  # a namespace's deletion deletes its ends of the veth pairs, and the bridge
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.created = []
+
+    def limit(self, rate):
+        """Each link limited to rate, both ways: the rank's end (what it sends) and the hub's port (what it receives).
+        tbf: a burst of 10 ms at the rate, and a queue of 200 ms, deep enough that TCP's bursts are not dropped
+        (a drop would be sent again and counted twice)."""
+        bits = parse_rate(rate)
+        burst = max(bits // 8 // 100, 32 * 1024)
+        for ns, dev in [(h, "eth0") for h in self.hosts] + [(self.hub, f"port{i}") for i in range(len(self.hosts))]:
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
+                            "burst", str(burst), "latency", "200ms"], check=True, capture_output=True)
+
+    def sent(self):
+        """Bytes each rank has sent: its hub port's received bytes (one `ip` call reads all of them at once)."""
+        links = json.loads(ip("-n", self.hub, "-s", "-j", "link", "show"))
+        by_name = {link["ifname"]: link["stats64"]["rx"]["bytes"] for link in links}
+        return [by_name[f"port{i}"] for i in range(len(self.hosts))]
+
+def parse_rate(rate):
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.lower())
+    if not m:
+        raise SystemExit(f"error: --rates {rate!r}: expected tc's form, e.g. 1gbit, 100mbit")
+    return int(float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)])
+
+# -----------------------------------------------------------------------------
+# One layout's run
+
+def run_layout(net, flags, args, data_dir, log_dir, port):
+    """Train args.steps + 1 steps with flags on every rank; returns {'sent': bytes per step per rank, 'computed',
+    'dt': the median step time, 'peaks': GiB per rank, 'link_s'} or {'error': ...}."""
+    import common
+    n = len(net.hosts)
+    cmd = [sys.executable, os.path.join(REPO, "train_gpt2.py"), "--data_dir", data_dir, "--log_dir", log_dir,
+           "--n_layer", args.n_layer, "--n_head", args.n_head, "--n_embd", args.n_embd, "--block_size", max(args.seq_len, 1024),
+           "--batch_size", 1, "--seq_len", args.seq_len, "--total_batch_size", args.tokens, "--max_steps", args.steps + 1,
+           "--warmup_steps", 1, "--eval_interval", 0, "--sample_interval", 0, "--hellaswag_interval", 0,
+           "--checkpoint_interval", 0, "--dtype", args.dtype, "--threads", args.threads, "--dist_timeout", 1800,
+           *([] if args.compile else ["--no-compile"]), *flags]
+    procs = []
+    try:
+        for rank, ns in enumerate(net.hosts):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                       MASTER_ADDR=net.addresses[0], MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="eth0",
+                       PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(args.threads))
+            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *map(str, cmd)], cwd=REPO, env=env, text=True,
+                                          stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, preexec_fn=common.die_with_parent(signal.SIGTERM)))
+        lines, marks = [], {}
+        for line in procs[0].stdout:  # rank 0 prints each step before the all-reduce that ends it (see the docstring)
+            if m := re.match(r"step\s+(\d+) \|", line):
+                marks[int(m.group(1))] = net.sent()
+                print(f"    {line.rstrip()}", flush=True)
+            lines.append(line)
+        codes = [p.wait() for p in procs]
+        errors = [p.stderr.read() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait()
+    stdout = "".join(lines)
+    if any(codes):
+        rank = next(r for r, c in enumerate(codes) if c)
+        return {"error": f"rank {rank} exited {codes[rank]}: " + " / ".join(errors[rank].strip().splitlines()[-3:])}
+    first, last = 0, args.steps
+    sent = [(b - a) / (last - first) for a, b in zip(marks[first], marks[last])]
+    dts = [float(x) / 1000 for x in re.findall(r"\| dt (\d+)ms", stdout)][1:]
+    peaks = [float(x) for x in re.search(r"peak memory per rank: (.*) GiB", stdout).group(1).split(", ")]
+    return {"sent": sent, "computed": computed_bytes(stdout, n), "dt": statistics.median(dts), "peaks": peaks}
+
+def report(name, r, rate):
+    if "error" in r:
+        return f"{name:>9} | failed: {r['error']}"
+    busiest = max(range(len(r["sent"])), key=lambda i: r["sent"][i])
+    def mb(x):
+        return "?" if x is None else f"{x / 1e6:.1f}"
+    per_rank = ", ".join(f"{mb(s)} ({mb(c)})" for s, c in zip(r["sent"], r["computed"]))
+    ratio = "?" if r["computed"][busiest] is None else f"{r['sent'][busiest] / r['computed'][busiest]:.3f}"
+    link = r["sent"][busiest] * 8 / parse_rate(rate)
+    return (f"{name:>9} | {mb(r['sent'][busiest]):>8} | {ratio:>6} | {per_rank:<48} | {r['dt']:7.1f} | "
+            f"{link:6.1f} | {', '.join(f'{p:.2f}' for p in r['peaks'])}")
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p.add_argument("--ranks", type=int, default=3)
+    p.add_argument("--rates", default="1gbit", help="comma-separated link rates (tc's form): every layout at each")
+    p.add_argument("--layouts", default="", help="comma-separated names (default: all for --ranks: " +
+                   ", ".join(layouts(3)) + ", and dp x pp where the ranks allow)")
+    p.add_argument("--n_layer", type=int, default=12)
+    p.add_argument("--n_head", type=int, default=12)
+    p.add_argument("--n_embd", type=int, default=768)
+    p.add_argument("--seq_len", type=int, default=256)
+    p.add_argument("--tokens", type=int, default=6144, help="tokens a step (--total_batch_size); rows of one")
+    p.add_argument("--steps", type=int, default=2, help="measured steps, after a first one")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--compile", action="store_true", help="torch.compile the step (default: eager; compiling a "
+                   "layout costs minutes here)")
+    args = p.parse_args()
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        print("bench_parallel: needs root and iproute2 (ip, tc) to make network namespaces and rate-limited links; "
+              "not measured")
+        return
+    import numpy as np  # (here: the answer without root comes before torch's import)
+    import common  # noqa: F401  (before plumbing: it puts the repository root on sys.path)
+    from plumbing import cpu
+    known = layouts(args.ranks)
+    names = [s for s in args.layouts.split(",") if s] or list(known)
+    if unknown := [s for s in names if s not in known]:
+        raise SystemExit(f"error: --layouts {','.join(unknown)}: not a layout on {args.ranks} ranks ({', '.join(known)})")
+    rates = args.rates.split(",")
+    for rate in rates:
+        parse_rate(rate)
+    print(cpu.describe_cpu(args.threads) + f" per rank, {args.ranks} ranks sharing {os.cpu_count()} CPU(s)")
+    print(f"model: {args.n_layer} layers, {args.n_embd} wide, {args.n_head} heads; rows of {args.seq_len}, "
+          f"{args.tokens} tokens a step, {args.dtype}; bytes and times over steps 1-{args.steps}")
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))  # (Ctrl-C raises KeyboardInterrupt) the finally cleans up
+    with tempfile.TemporaryDirectory() as tmp, Network(args.ranks) as net:
+        rng = np.random.default_rng(0)
+        for name, count in (("bench_val_000000.npy", 4096), ("bench_train_000001.npy", args.tokens * (args.steps + 3))):
+            np.save(os.path.join(tmp, name), rng.integers(0, 50257, count, dtype=np.uint16))
+        results = []
+        for rate in rates:
+            net.limit(rate)
+            for name in names:
+                print(f"  {name} at {rate}: {' '.join(map(str, known[name]))}", flush=True)
+                r = run_layout(net, known[name], args, tmp, os.path.join(tmp, f"log_{rate}_{name}"), 29500 + len(results))
+                results.append((rate, name, r))
+        for rate in rates:
+            print(f"\nlinks at {rate}: MB each rank sends a step, measured (the trainer's computed figure)")
+            print(f"{'layout':>9} | {'busiest':>8} | {'/comp.':>6} | {'each rank: measured (computed)':<48} | "
+                  f"{'step s':>7} | {'link s':>6} | peak GiB per rank")
+            for r_rate, name, r in results:
+                if r_rate == rate:
+                    print(report(name, r, rate))
+        print("(link s: the busiest rank's bytes at the link's rate, the least time a step spends sending)")
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(130)
