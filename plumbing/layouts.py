@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from plumbing import pipeline, tensor_parallel
+from plumbing import pipeline, sharding, tensor_parallel
 
 FORCED = {"dp": ("none", 1), "fsdp": ("full", 1), "fsdp_grads": ("grads", 1)}  # --parallel NAME: (--shard, --pp)
 HEADROOM = 0.9  # a layout must fit in this share of the free memory: the rest is for what the estimate leaves out
@@ -79,20 +79,20 @@ def stages(config, pp, seq_len):
 
 def plan(layout, config, world, rows, seq_len, micro_steps, bf16):
     """Fill in the layout's memory and bytes sent a step (micro_steps: each data-parallel replica's accumulation
-    steps)."""
+    steps), the bytes as the trainer's plan lines compute them (sharding, pipeline, tensor_parallel; on gloo)."""
     P, block, embeddings = parameters(config)
     weight = 2 if bf16 else 4  # bytes of a weight as FSDP gathers it (bf16: gathered in bf16)
     acts = lambda layers: activation_bytes(config, rows, seq_len, layers, bf16)  # noqa: E731
     L = config.n_layer
     if layout.name == "dp":  # the whole state; DDP's buckets are a second copy of the gradients
         layout.memory = (STATE_BYTES + 4) * P + acts(L)
-        layout.sent = 2 * ring(world, 4 * P)
+        layout.sent = sharding.bytes_sent(P, P, world, "none", micro_steps, bf16)
     elif layout.name == "fsdp":  # a share of the state; one block and the embeddings gathered at a time
         layout.memory = STATE_BYTES * P / world + 2 * (4 * block + 4 * embeddings) + acts(L)
-        layout.sent = micro_steps * (2 * ring(world, weight * P) + ring(world, 4 * P))
+        layout.sent = sharding.bytes_sent(P, P, world, "full", micro_steps, bf16)
     elif layout.name == "fsdp_grads":  # every weight gathered and kept, with its gradient, for the whole step
         layout.memory = (STATE_BYTES - 8) * P / world + (weight + 4) * P + acts(L)
-        layout.sent = ring(world, weight * P) + ring(world, 4 * P)
+        layout.sent = sharding.bytes_sent(P, P, world, "grads", micro_steps, bf16)
     elif layout.name == "tp":  # a 1/tp share of every block's matrices; embeddings, LayerNorms and lm_head whole
         t, dp = layout.tp, world // layout.tp
         held, tp_bytes, dp_bytes = tensor_parallel.rank_plan(config, t, dp, rows, seq_len, micro_steps,
