@@ -12,6 +12,7 @@ import lora
 from plumbing import cache_dir, one_line
 from plumbing.checkpoints import list_checkpoints, load_checkpoint
 from plumbing.inputs import find_shards
+from plumbing import tensor_parallel
 from plumbing.pipeline import check_layout
 
 # -----------------------------------------------------------------------------
@@ -63,10 +64,16 @@ def build_parser(defaults=True):
     a("--shard", choices=["none", "full", "grads"], default=d("none"), help="none: every rank holds the whole training "
       "state (DDP); full: weights, gradients and AdamW state split across the ranks (FSDP2), for models too big for one; "
       "grads: gradients and AdamW state split, weights gathered once a step (ZeRO-2: less traffic, more memory)")
-    a("--pp", type=int, default=d(1), help="pipeline parallel: the blocks cut into this many stages, one per rank "
-      "(world = data-parallel replicas x stages; plumbing/pipeline.py)")
+    a("--pp", type=int, default=d(1), help="pipeline parallel: the blocks cut into this many stages (pipeline.py)")
+    a("--parallel", choices=["auto", "dp", "fsdp", "fsdp_grads", "pp", "tp"], default=d("auto"), help="how several "
+      "ranks split the training: auto: DDP where the model fits each rank, else the layout predicted fastest from the "
+      "measured links and memory (plumbing/layouts.py); dp, fsdp (--shard full), fsdp_grads (--shard grads), pp (--pp = "
+      "ranks), tp (--tp = ranks) force one; --shard, --pp or --tp force theirs")
+    a("--max_memory", type=float, default=d(None), metavar="GIB", help="--parallel auto: GiB of training state and "
+      "activations a rank may hold (default: the node's available memory shared by its ranks)")
     a("--pp_schedule", choices=["1f1b", "gpipe"], default=d("1f1b"), help="--pp's schedule: 1f1b (at most N micro-batches' "
       "activations held per stage) or gpipe (every forward, then every backward)")
+    a("--tp", type=int, default=d(1), help="tensor parallel: each block split over this many ranks (tensor_parallel.py)")
     a("--dist_timeout", type=float, default=d(300), help="seconds a collective may wait for the other ranks")
     a("--threads", type=int, default=d(0), help="torch threads per rank (0 = physical cores / ranks per node)")
     a("--epochs", type=int, default=d(None), help="task data (a finetune.py folder): passes over the training "
@@ -152,7 +159,7 @@ def resolve_args(argv, ranks):
         saved = {**vars(args), **saved_args}  # a flag newer than the checkpoint keeps its default
         saved.update({k: v for k, v in given.items() if k in saved})
         saved.update(resume=args.resume, overwrite=False, log_dir=given.get("log_dir", saved["log_dir"]))
-        for layout in ("pp", "pp_schedule"):  # the launch decides the layout: a checkpoint resumes on any (pipeline.py)
+        for layout in ("pp", "pp_schedule", "tp", "parallel"):  # the launch decides the layout: a checkpoint resumes on any
             saved[layout] = given.get(layout, vars(args)[layout])
         args = argparse.Namespace(**saved)
     if not args.resume and (args.demo or (not find_shards(args.data_dir, "train") and "data_dir" not in given)):
@@ -161,6 +168,7 @@ def resolve_args(argv, ranks):
         vars(args).update({k: v for k, v in DEMO_ARGS.items() if k not in given})
         args.demo, args.data_dir = True, cache_dir("demo")
     check_lora_resume(ckpt, ckpt_file, given)
+    resolve_layout(args, given, ranks.world_size)
     if args.lora:
         args.lora_targets = lora.parse_targets(args.lora_targets)
         args.lora_alpha = 2.0 * args.lora if args.lora_alpha is None else args.lora_alpha
@@ -171,6 +179,22 @@ def resolve_args(argv, ranks):
         raise SystemExit(f"error: --epochs is for task data (a finetune.py folder); {args.data_dir} holds pretraining "
                          "shards: use --max_steps")
     return args, task, ckpt, ckpt_file
+
+def resolve_layout(args, given, world_size):
+    """--parallel NAME sets --shard, --pp and --tp; these on the command line (or a resumed sharded run's --shard)
+    are a layout forced too, so --parallel auto is left with only the runs that say nothing (then "auto" stays, for
+    the trainer to decide once it has measured: plumbing/layouts.py)."""
+    if args.max_memory is not None and not args.max_memory > 0:
+        raise SystemExit(f"error: --max_memory {args.max_memory:g}: give a positive number of GiB")
+    degrees = [flag for flag in ("shard", "pp", "tp") if flag in given]
+    if args.parallel != "auto" and degrees:
+        raise SystemExit(f"error: --parallel {args.parallel} sets --shard, --pp and --tp: give it or --{degrees[0]}")
+    if args.parallel in ("dp", "fsdp", "fsdp_grads"):
+        args.shard, args.pp, args.tp = {"dp": "none", "fsdp": "full", "fsdp_grads": "grads"}[args.parallel], 1, 1
+    elif args.parallel in ("pp", "tp"):  # every rank a stage, or every rank a share of each block
+        args.shard, args.pp, args.tp = "none", *((world_size, 1) if args.parallel == "pp" else (1, world_size))
+    elif degrees or args.shard != "none" or args.pp != 1 or args.tp != 1:
+        args.parallel = "flags"  # (not a choice: args.json keeps it, and a resume decides again from its flags)
 
 def check_lora_resume(ckpt, ckpt_file, given):
     """A LoRA run is resumed with its --lora, and a full one without; its adapters' targets and alpha (the scale of
@@ -211,7 +235,8 @@ def check_args(args, world_size):
         raise SystemExit(f"error: --data_dir {args.data_dir} does not exist (make shards with fineweb.py)")
     if args.seq_len > args.block_size and args.init_from == "scratch":
         raise SystemExit(f"error: --seq_len {args.seq_len} is longer than --block_size {args.block_size}")
-    replicas = check_layout(args, world_size)  # --pp: world = data-parallel replicas x pipeline stages
+    # world = data-parallel replicas x pipeline stages (--pp) x tensor-parallel ranks (--tp)
+    replicas = check_layout(args, tensor_parallel.check_layout(args, world_size))
     tokens_per_micro = args.batch_size * args.seq_len * replicas
     if args.total_batch_size % tokens_per_micro:
         raise SystemExit(f"error: --total_batch_size {args.total_batch_size} is not divisible by --batch_size "

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from plumbing import attention, checkpoints, cpu, inputs, pipeline, sharding, speedups, world
+from plumbing import attention, checkpoints, cpu, inputs, layouts, pipeline, sharding, speedups, tensor_parallel, world
 from plumbing.checkpoints import append_log, checkpoint_path, list_checkpoints, load_checkpoint
 from plumbing.fused_loss import IGNORE, lm_head_loss
 import dataloader
@@ -56,8 +56,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, cache=None, layer=0, attn_mask=None, lengths=None):
         """cache: generation's KVCache (its keys and values of the tokens so far); attn_mask, lengths: see GPT.hidden."""
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        B, T, C = *x.shape[:2], self.n_embd  # C: the width of this module's heads (--tp: this rank's share of them)
+        q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_size): heads become a batch dimension
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if lengths is not None:  # packed rows of examples
@@ -282,6 +282,10 @@ class GPT(nn.Module):
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        from torch.distributed.tensor import DTensor  # --tp's split weights: fused AdamW takes them apart from plain tensors
+        if 0 < sum(isinstance(p, DTensor) for p in params) < len(params):
+            groups = [{**g, "params": [p for p in g["params"] if isinstance(p, DTensor) == kind]}
+                      for g in groups for kind in (False, True)]
         # fused AdamW runs the whole update in one kernel; PyTorch has it for CPU since 2.4
         fused = device_type in ("cpu", "cuda", "xpu")
         return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused), fused
@@ -356,20 +360,29 @@ DIVERGED_LOSS = 2 * math.log(PADDED_VOCAB_SIZE)
 
 class Run:
     """What travels from stage to stage. Fixed when the run starts: the arguments (resolved once, by resolve_args, and
-    never written after), this rank, the task (a finetune.py folder's), whether the run is sharded, the accumulation
-    steps. Then filled by main() with what each stage returns, in its order: the data loader, HellaSwag's examples (None:
-    not measured), the lock on --log_dir, the device, dtype and IPEX, the model, the optimizer and the wrapped model."""
+    never written after, but for the layout --parallel auto picks), this rank, the task (a finetune.py folder's), the
+    layout (sharded?, pipeline?) and the accumulation steps. Then filled by main() with what each stage returns, in
+    its order: the device, dtype and IPEX, the data loader, HellaSwag's examples (None: not measured), the lock on
+    --log_dir, the model, the optimizer and the wrapped model."""
 
     def __init__(self, args, ranks, task):
         self.args, self.ranks, self.task = args, ranks, task
-        self.sharded = args.shard != "none" and ranks.world_size > 1  # FSDP2: decided here, and only here
-        self.replicas = ranks.world_size // args.pp  # data-parallel replicas: --pp stages each (plumbing/pipeline.py)
-        self.grad_accum_steps = args.total_batch_size // (args.batch_size * args.seq_len * self.replicas)
-        self.data_ranks = pipeline.replica_ranks(ranks, args.pp) if args.pp > 1 else ranks  # what the loaders see
-        self.pipe = None  # --pp: this rank's stage and its schedule (prepare_training)
+        self.lay_out()
+        # a layout that runs the step its own way (prepare_training): --pp's stage and schedule (plumbing/pipeline.py),
+        # or --tp's share of every block (plumbing/tensor_parallel.py)
+        self.pipe = None
         self.train_loader = self.hellaswag = self.lock = self.device_type = self.dtype = self.autocast = self.ipex = None
         self.raw_model = self.model = self.optimizer = None  # raw_model: the plain GPT; model: what trains
         self.compiled, self.flops_per_token, self.matmul_rate, self.lora = False, 0, None, None
+
+    def lay_out(self):
+        """What follows from the layout, --shard, --pp and --tp (set again if --parallel auto picks another: choose_layout)."""
+        args, ranks = self.args, self.ranks
+        self.sharded = args.shard != "none" and ranks.world_size > 1  # FSDP2: decided here, and only here
+        self.replicas = ranks.world_size // (args.pp * args.tp)  # data-parallel replicas: --pp stages x --tp ranks each
+        self.grad_accum_steps = args.total_batch_size // (args.batch_size * args.seq_len * self.replicas)
+        group = args.pp * args.tp  # the ranks of one replica read the same batches: the loaders see the replicas
+        self.data_ranks = pipeline.replica_ranks(ranks, group) if group > 1 else ranks
 
     def share_of_matmul_rate(self, dt):
         """' | N% of this CPU's fp32 matmul rate': the step's FLOPs (6 per parameter and token, 4 for a frozen one:
@@ -381,6 +394,9 @@ class Run:
             config, params = self.raw_model.config, list(self.raw_model.parameters())
             self.flops_per_token = cpu.flops_per_token(sum(p.numel() for p in params), config.n_layer, config.n_embd,
                                                        self.args.seq_len) - 2 * sum(p.numel() for p in params if not p.requires_grad)
+            if self.args.pp * self.args.tp > 1:  # a replica's ranks share its work: the whole model's FLOPs, over them
+                self.flops_per_token = cpu.flops_per_token(layouts.parameters(config)[0], config.n_layer, config.n_embd,
+                                                           self.args.seq_len) / (self.args.pp * self.args.tp)
             self.matmul_rate = cpu.MatmulRate(self.dtype, config.n_embd)
         return self.matmul_rate.share(self.args.total_batch_size / self.replicas / dt * self.flops_per_token / 1e9)
 
@@ -399,8 +415,9 @@ def open_data_and_lock_log_dir(run):
     hellaswag_examples = None  # no data (no network, say) is no reason not to train: it is just not measured
     if args.hellaswag_interval > 0 and run.sharded:  # batches differ by rank: no lock-step all-gathers
         ranks.print0("warning: no HellaSwag during sharded training: run hellaswag.py -m on a checkpoint")
-    elif args.pp > 1:  # generation through the stages is not written yet; a checkpoint holds the whole model
-        ranks.print0("pipeline: no HellaSwag, task accuracy or samples during training: run hellaswag.py -m, answer.py "
+    elif args.pp > 1 or args.tp > 1:  # generation through stages or split blocks is not written yet; a checkpoint
+        layout = "pipeline" if args.pp > 1 else "tensor parallel"  # holds the whole model
+        ranks.print0(f"{layout}: no HellaSwag, task accuracy or samples during training: run hellaswag.py -m, answer.py "
                      "or sample.py --ckpt_path on a checkpoint")
     elif args.hellaswag_interval > 0:
         import hellaswag
@@ -420,8 +437,6 @@ def set_up_machine(run):
         where = world.init_process_group(backend, ranks.rank, ranks.world_size, ranks.local_world,
                                            ranks.launcher, args.dist_timeout)
         ranks.print0(f"distributed: {ranks.launcher}, world size {ranks.world_size}, backend {backend}, master {where}")
-    if not run.sharded:  # (sharded, memory is short: what is freed goes back to the OS)
-        cpu.keep_freed_memory()
     if device_type == "cpu":  # one matmul thread per physical core, shared among the ranks on this node
         ranks.print0(cpu.set_cpu_threads(args.threads, ranks.world_size, ranks.local_world))
         ranks.print0(cpu.describe_cpu(torch.get_num_threads()))
@@ -430,6 +445,40 @@ def set_up_machine(run):
     ipex = speedups.ipex_for_dtype(ipex, args.ipex, dtype, device_type != "cpu" or torch.ops.mkldnn._is_mkldnn_bf16_supported())
     ipex = None if args.lora else ipex  # (ipex.optimize would swap out the Linear layers that carry the adapters)
     return device_type, dtype, speedups.autocast(dtype, device_type), ipex
+
+def choose_layout(run, ckpt):
+    """--parallel auto on several ranks (the default): DDP where the model fits, else the layout predicted fastest
+    from the measured links, memory and compute (plumbing/layouts.py); it sets --shard and --pp. A forced layout that
+    cannot fit is one error line. (Not for --lora: its frozen base's gradients and AdamW state cost nothing, and a
+    pipeline does not take adapters yet.)"""
+    args, ranks = run.args, run.ranks
+    if ranks.world_size > 1 and not args.lora and run.device_type == "cpu":
+        config = model_config(args, ckpt)
+        if args.parallel != "auto":  # forced: refused if it cannot fit
+            layouts.check_fits(args, config, ranks, run.dtype == "bf16")
+        else:
+            layout, why = layouts.decide(args, config, ranks, run.dtype == "bf16", run.autocast, lambda: Block(config))
+            ranks.print0(why)
+            args.shard, args.pp, args.tp = layout.shard, layout.pp, layout.tp
+            check_args(args, ranks.world_size)
+            run.lay_out()
+    if not run.sharded:  # (sharded, memory is short: what is freed goes back to the OS)
+        cpu.keep_freed_memory()
+
+def model_config(args, ckpt):
+    """The GPTConfig this run trains, without reading any weights: the checkpoint's, the flags', or --init_from's
+    (load_model builds the model from its config before it reads a weight: the build stops it there)."""
+    if ckpt is not None or args.init_from == "scratch":
+        return GPTConfig(**ckpt["config"]) if ckpt is not None else GPTConfig(
+            block_size=args.block_size, vocab_size=PADDED_VOCAB_SIZE, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    class Found(Exception):
+        pass
+    def found(config, init_weights=False):
+        raise Found(config)
+    try:
+        load_model(args.init_from, found)
+    except Found as e:
+        return e.args[0]
 
 def build_model(run, ckpt):
     """The model: the checkpoint's weights when resuming; else a scratch GPT-2, OpenAI's weights, or one of our checkpoints.
@@ -474,6 +523,8 @@ def prepare_training(run, ckpt, ckpt_file):
     args, ranks, model = run.args, run.ranks, run.raw_model
     if args.pp > 1:  # the model is cut down to this rank's stage
         run.pipe = pipeline.Pipeline(model, args, ranks, run.grad_accum_steps, ranks.print0, run.dtype)
+    elif args.tp > 1:  # every block split across the tensor-parallel ranks
+        run.pipe = tensor_parallel.TensorParallel(model, args, ranks, run.grad_accum_steps, ranks.print0, run.dtype)
     optimizer, fused = model.configure_optimizer(args.weight_decay, args.max_lr, run.device_type)
     ranks.print0(f"optimizer: AdamW, fused={fused}")
     if run.device_type == "cpu" and (line := attention.choose(run.dtype, args.batch_size, model.config.n_head, args.seq_len,
@@ -672,8 +723,9 @@ def main(argv=None):
     args, task, ckpt, ckpt_file = resolve_args(argv, ranks)
     check_args(args, ranks.world_size)
     run = Run(args, ranks, task)
-    run.train_loader, run.hellaswag, run.lock = open_data_and_lock_log_dir(run)
     run.device_type, run.dtype, run.autocast, run.ipex = set_up_machine(run)
+    choose_layout(run, ckpt)
+    run.train_loader, run.hellaswag, run.lock = open_data_and_lock_log_dir(run)
     run.raw_model = build_model(run, ckpt)
     run.model, run.optimizer, run.compiled, start_step = prepare_training(run, ckpt, ckpt_file)
     evaluated = ckpt is not None and ckpt.get("evaluated", True)  # were start_step's evaluations done already?
@@ -682,7 +734,8 @@ def main(argv=None):
         checkpoints.prepare_log_dir(args.log_dir, vars(args), overwrite=args.overwrite and not args.resume,
                                     fresh=ckpt_file is None)
     ranks.print0(f"total batch {args.total_batch_size} tokens = {args.batch_size} x {args.seq_len} x "
-                 f"{run.replicas} rank(s) x {run.grad_accum_steps} accumulation steps" + (f" (x {args.pp} stages)" if run.pipe else ""))
+                 f"{run.replicas} rank(s) x {run.grad_accum_steps} accumulation steps" + (f" (x {args.pp} stages)" if args.pp > 1 else "")
+                 + (f" (x {args.tp} tensor-parallel ranks)" if args.tp > 1 else ""))
 
     skipped, exit_code, first_dt = 0, 0, 0.0
     for step in range(start_step, args.max_steps + 1):

@@ -23,6 +23,7 @@ cores, the step times compare layouts on one machine, they are not a cluster's.
 """
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -39,20 +40,39 @@ PREFIX = f"gpt2pb{os.getpid() % 100000}"  # every name this run creates starts w
 # The layouts: data, a name and the trainer's flags for n ranks. Another layout (--tp, a --parallel auto check) is
 # one more entry, and its computed bytes one more plan line the trainer prints (see computed_bytes).
 
-def layouts(n):
-    """{name: trainer flags} for n ranks: DDP, FSDP (ZeRO-3, ZeRO-2), a pipeline of n stages, and dp x pp for every
-    other split of n."""
+def layouts(n, n_head=12):
+    """{name: trainer flags} for n ranks: DDP, FSDP (ZeRO-3, ZeRO-2), a pipeline of n stages, dp x pp for every other
+    split of n, and tensor parallel over n ranks (where n divides the heads)."""
     out = {"ddp": ["--shard", "none"], "full": ["--shard", "full"], "grads": ["--shard", "grads"], f"pp{n}": ["--pp", n]}
     for pp in range(2, n):
         if n % pp == 0:
             out[f"dp{n // pp}xpp{pp}"] = ["--pp", pp]
+    if n_head % n == 0:
+        out[f"tp{n}"] = ["--tp", n]
     return out
+
+def bench_name(short, n):
+    """This benchmark's name for a layout as --parallel auto's line names it (dp, fsdp, fsdp_grads, 'pp N', 'tp N')."""
+    kind, _, degree = short.partition(" ")
+    if kind in ("pp", "tp"):
+        return f"{kind}{degree}" if int(degree) == n else f"dp{n // int(degree)}x{kind}{degree}"
+    return {"dp": "ddp", "fsdp": "full", "fsdp_grads": "grads"}[kind]
+
+def auto_choice(stdout, n):
+    """(the layout --parallel auto chose, {layout that fits: its predicted seconds a step}) from the trainer's
+    'parallel: every layout's predicted step: ...' line."""
+    every = re.search(r"^parallel: every layout's predicted step: (.*)$", stdout, re.M)
+    found = re.findall(r"([a-z_]+(?: \d+)?) ([\d.]+) s(?: \((chosen|does not fit)\))?", every.group(1)) if every else []
+    return (next((bench_name(name, n) for name, _, note in found if note == "chosen"), None),
+            {bench_name(name, n): float(seconds) for name, seconds, note in found if note != "does not fit"})
 
 def computed_bytes(stdout, n):
     """Each rank's bytes a step as the trainer computed them, from its plan lines: 'data parallel: ... each rank sends
     X MB a step' (every rank alike), or a pipeline's 'stage s: ... each of its ranks sends X MB a step' (rank r is
     stage r % pp). None for a rank the plan does not give."""
     if m := re.search(r"^data parallel: .*each rank sends ([\d.]+) MB a step", stdout, re.M):
+        return [float(m.group(1)) * 1e6] * n
+    if m := re.search(r"^  each rank: .*sends ([\d.]+) MB a step", stdout, re.M):  # tensor parallel's plan
         return [float(m.group(1)) * 1e6] * n
     stages = {int(s): float(x) * 1e6 for s, x in re.findall(r"^  stage (\d+): .*each of its ranks sends ([\d.]+) MB", stdout, re.M)}
     if m := re.search(r"^pipeline: (\d+) stages", stdout, re.M):
@@ -161,7 +181,9 @@ def run_layout(net, flags, args, data_dir, log_dir, port):
     sent = [(b - a) / (last - first) for a, b in zip(marks[first], marks[last])]
     dts = [float(x) / 1000 for x in re.findall(r"\| dt (\d+)ms", stdout)][1:]
     peaks = [float(x) for x in re.search(r"peak memory per rank: (.*) GiB", stdout).group(1).split(", ")]
-    return {"sent": sent, "computed": computed_bytes(stdout, n), "dt": statistics.median(dts), "peaks": peaks}
+    chosen, predicted = auto_choice(stdout, n)
+    return {"sent": sent, "computed": computed_bytes(stdout, n), "dt": statistics.median(dts), "peaks": peaks,
+            "chosen": chosen, "predicted": predicted}
 
 def report(name, r, rate):
     if "error" in r:
@@ -174,6 +196,25 @@ def report(name, r, rate):
     link = r["sent"][busiest] * 8 / parse_rate(rate)
     return (f"{name:>9} | {mb(r['sent'][busiest]):>8} | {ratio:>6} | {per_rank:<48} | {r['dt']:7.1f} | "
             f"{link:6.1f} | {', '.join(f'{p:.2f}' for p in r['peaks'])}")
+
+def auto_report(rate, results, max_memory):
+    """--parallel auto's check at one link rate: its prediction for every layout that fits beside the measured step,
+    and whether its choice was the measured fastest of those (or within 10% of it)."""
+    measured = {name: r["dt"] for r_rate, name, r in results if r_rate == rate and "dt" in r and name != "auto"}
+    auto = next((r for r_rate, name, r in results if r_rate == rate and name == "auto"), None)
+    if auto is None or "error" in auto or not auto["predicted"]:
+        return f"--parallel auto at {rate}: " + (auto or {}).get("error", "no prediction printed (the model fits: DDP)")
+    lines = [f"--parallel auto at {rate}, --max_memory {max_memory} GiB: seconds a step, predicted and measured"]
+    for name, seconds in auto["predicted"].items():
+        m = measured.get(name)
+        lines.append(f"{name:>9} | predicted {seconds:7.2f} | " + (f"measured {m:7.2f} | {seconds / m:5.2f}x" if m else "not run"))
+    fits = [name for name in auto["predicted"] if name in measured]
+    fastest, chosen = min(fits, key=measured.get), auto["chosen"]
+    close = sum(abs(auto["predicted"][name] / measured[name] - 1) <= 0.25 for name in fits)
+    lines.append(f"auto chose {chosen} ({measured.get(chosen, float('nan')):.2f} s measured); the measured fastest that "
+                 f"fits: {fastest} ({measured[fastest]:.2f} s): {measured.get(chosen, math.inf) / measured[fastest]:.2f}x "
+                 f"its time; predictions within 25% of the measured: {close} of {len(fits)}")
+    return "\n".join(lines)
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
@@ -191,6 +232,8 @@ def main():
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--compile", action="store_true", help="torch.compile the step (default: eager; compiling a "
                    "layout costs minutes here)")
+    p.add_argument("--auto", type=float, default=None, metavar="GIB", help="also run --parallel auto with --max_memory "
+                   "GIB (below DDP's need) at each rate: its predicted step for every layout beside the measured, its choice")
     args = p.parse_args()
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
         print("bench_parallel: needs root and iproute2 (ip, tc) to make network namespaces and rate-limited links; "
@@ -199,7 +242,7 @@ def main():
     import numpy as np  # (here: the answer without root comes before torch's import)
     import common  # noqa: F401  (before plumbing: it puts the repository root on sys.path)
     from plumbing import cpu
-    known = layouts(args.ranks)
+    known = layouts(args.ranks, args.n_head)
     names = [s for s in args.layouts.split(",") if s] or list(known)
     if unknown := [s for s in names if s not in known]:
         raise SystemExit(f"error: --layouts {','.join(unknown)}: not a layout on {args.ranks} ranks ({', '.join(known)})")
@@ -221,6 +264,11 @@ def main():
                 print(f"  {name} at {rate}: {' '.join(map(str, known[name]))}", flush=True)
                 r = run_layout(net, known[name], args, tmp, os.path.join(tmp, f"log_{rate}_{name}"), 29500 + len(results))
                 results.append((rate, name, r))
+            if args.auto:  # (last: its predictions are compared with every layout's measured step)
+                print(f"  auto at {rate}: --parallel auto --max_memory {args.auto}", flush=True)
+                r = run_layout(net, ["--parallel", "auto", "--max_memory", args.auto], args, tmp,
+                               os.path.join(tmp, f"log_{rate}_auto"), 29500 + len(results))
+                results.append((rate, "auto", r))
         for rate in rates:
             print(f"\nlinks at {rate}: MB each rank sends a step, measured (the trainer's computed figure)")
             print(f"{'layout':>9} | {'busiest':>8} | {'/comp.':>6} | {'each rank: measured (computed)':<48} | "
@@ -229,6 +277,8 @@ def main():
                 if r_rate == rate:
                     print(report(name, r, rate))
         print("(link s: the busiest rank's bytes at the link's rate, the least time a step spends sending)")
+        for rate in rates if args.auto else []:
+            print("\n" + auto_report(rate, results, args.auto))
 
 if __name__ == "__main__":
     try:

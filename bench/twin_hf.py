@@ -106,7 +106,7 @@ class Ours:
     """Our loop: train_gpt2.train_step on a Run as main() fills it (one rank, no accumulation; --compile: compiled)."""
 
     def __init__(self, model, args, dtype):
-        args = Namespace(**vars(args), shard="none", pp=1, total_batch_size=args.batch_size * args.seq_len)
+        args = Namespace(**vars(args), shard="none", pp=1, tp=1, total_batch_size=args.batch_size * args.seq_len)
         self.run = Run(args, world.Ranks(0, 1, 0, 1, "single"), None)
         self.run.train_loader, self.run.autocast = OneBatch(), speedups.autocast(dtype, "cpu")
         self.run.raw_model = self.model = model  # (evaluation runs the raw model, as train_gpt2.evaluate does)

@@ -99,6 +99,15 @@ def load_full_optimizer_state(model, optimizer, state):
                "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
+def bytes_sent(weights, grads, world_size, shard, micro_steps, bf16, backend="gloo"):
+    """Bytes each rank sends an optimizer step under DDP (--shard none) or FSDP (full, grads): see plan_line."""
+    ring = (world_size - 1) / world_size
+    if shard == "none":
+        return 2 * ring * grads * 4
+    gathers = {"full": 2 * micro_steps * weights, "grads": weights}[shard]
+    scatter = 2 if backend == "gloo" else 1
+    return ring * (gathers * (2 if bf16 else 4) + scatter * grads * 4)
+
 def plan_line(model, world_size, shard, micro_steps, bf16, backend):
     """DDP's and FSDP's bytes each rank sends an optimizer step, computed (bench/bench_parallel.py measures them).
     The collectives are rings: an all-gather sends (n-1)/n of the whole tensor from each rank, a reduce-scatter as
@@ -107,15 +116,12 @@ def plan_line(model, world_size, shard, micro_steps, bf16, backend):
     and again for its backward (the root unit too, the embeddings: we reshard it after forward, where FSDP2's default
     would keep it), and reduce-scatters the gradients once; --shard grads gathers every weight once a step.
     Weights travel in bf16 under --dtype bf16 when sharded; gradients always in fp32."""
-    ring = (world_size - 1) / world_size
     weights = sum(p.numel() for p in model.parameters())  # (the tied lm_head counted once)
     grads = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    sent = bytes_sent(weights, grads, world_size, shard, micro_steps, bf16, backend)
     if shard == "none":
-        sent, how = 2 * ring * grads * 4, "a ring all-reduce of the gradients"
+        how = "a ring all-reduce of the gradients"
     else:
-        gathers = {"full": 2 * micro_steps * weights, "grads": weights}[shard]
-        scatter = 2 if backend == "gloo" else 1
-        sent = ring * (gathers * (2 if bf16 else 4) + scatter * grads * 4)
         how = ("every weight all-gathered twice a micro-step" if shard == "full" else
                "the weights all-gathered once") + f", the gradients reduce-scattered once ({backend})"
     return (f"data parallel: {world_size} ranks, --shard {shard}, {micro_steps} micro-steps a step: {how}; "

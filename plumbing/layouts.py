@@ -1,0 +1,250 @@
+"""
+--parallel auto: how the ranks split the training (the layout), decided from the cluster itself, the way the dtype is
+decided from the CPU: measured, predicted, and said in one line.
+
+  - If every rank can hold the whole training state and a micro-batch's activations in 90% of its free memory (or of
+    --max_memory), data parallel (DDP), as always: nothing is measured but each rank's free memory.
+  - Otherwise, for every layout that fits (FSDP, ZeRO-2, a pipeline, a pipeline with data parallel), its step is
+    predicted from what decides it: the compute (one block's forward and backward, timed on every rank at once at
+    the run's shape), the bytes each rank sends (computed, as the plan lines print them) over the link (timed at the
+    start: an all-reduce of 4 bytes for its latency, one of 32 MB for its bandwidth), and the pipeline's bubble.
+    The fastest prediction wins; the line gives it, the runner-up, and the flag that forces another.
+
+The predictions assume nothing overlaps: compute, then sending. DDP and FSDP do overlap some of their sending with the
+backward, so they run faster than predicted where both take long (docs/parallel.md has the measured table).
+"""
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from plumbing import pipeline, sharding, tensor_parallel
+
+FORCED = {"dp": ("none", 1), "fsdp": ("full", 1), "fsdp_grads": ("grads", 1)}  # --parallel NAME: (--shard, --pp)
+HEADROOM = 0.9  # a layout must fit in this share of the free memory: the rest is for what the estimate leaves out
+STATE_BYTES = 16  # per trained parameter: fp32 weight, gradient, AdamW's two moments
+
+@dataclass
+class Layout:
+    name: str  # dp, fsdp, fsdp_grads, pp, tp
+    shard: str  # --shard
+    pp: int  # --pp (pipeline stages)
+    tp: int = 1  # --tp (tensor-parallel ranks); data-parallel replicas: world // (pp x tp)
+    memory: float = 0.0  # bytes a rank needs at most (training state, gathered weights, activations)
+    sent: float = 0.0  # bytes the busiest rank sends a step
+    seconds: float = 0.0  # the predicted step
+
+    def flags(self):
+        return f"--pp {self.pp}" if self.pp > 1 else f"--tp {self.tp}" if self.tp > 1 else f"--parallel {self.name}"
+
+    def short(self):
+        return f"pp {self.pp}" if self.pp > 1 else f"tp {self.tp}" if self.tp > 1 else self.name
+
+    def describe(self, world):
+        what = {"dp": "data parallel (DDP)", "fsdp": "FSDP (--shard full)", "fsdp_grads": "ZeRO-2 (--shard grads)"}
+        replicas = f" x {world // (self.pp * self.tp)} data-parallel replica(s)"
+        return what.get(self.name) or (f"pipeline of {self.pp} stages" + replicas if self.pp > 1 else
+                                       f"tensor parallel over {self.tp} ranks" + replicas)
+
+# -----------------------------------------------------------------------------
+# What a layout holds and sends, computed (a rank's share; the busiest rank's where they differ)
+
+def activation_bytes(config, rows, seq_len, layers, bf16):
+    """A micro-batch's activations kept for the backward through `layers` blocks. Per token and block about 48 C
+    bytes in bf16 (the inputs of the four matmuls and of attention, the LayerNorms' and GELU's inputs, in bf16 or
+    fp32 as autocast leaves them) and 80 C in fp32: measured on GPT-2 (124M) as peak memory minus the state. Plus
+    the loss's chunk of logits (fp32, 4096 positions x V at most)."""
+    per_token = (48 if bf16 else 80) * config.n_embd
+    return rows * seq_len * layers * per_token + 4 * min(rows * seq_len, 4096) * config.vocab_size
+
+def parameters(config):
+    """(all of them, one block's, the embeddings' (wte, wpe)): GPT-2's, lm_head tied to wte."""
+    C, V = config.n_embd, config.vocab_size
+    block = 12 * C * C + 13 * C
+    embeddings = (V + config.block_size) * C
+    return config.n_layer * block + embeddings + 2 * C, block, embeddings
+
+def ring(world, size):
+    """Bytes a rank sends in a ring all-gather or reduce-scatter of `size` bytes (an all-reduce is both)."""
+    return (world - 1) / world * size
+
+def stages(config, pp, seq_len):
+    """A pipeline's [(first block, end)] per stage, and its slowest stage's compute in blocks (lm_head and the loss
+    count on the last stage), as pipeline.py cuts it."""
+    block_cost, head_cost = pipeline.stage_costs(config, seq_len)
+    bounds = pipeline.split_blocks(config.n_layer, pp, block_cost, head_cost)
+    return bounds, max(
+        (b - a) + (s == pp - 1) * head_cost / block_cost for s, (a, b) in enumerate(bounds))
+
+def plan(layout, config, world, rows, seq_len, micro_steps, bf16):
+    """Fill in the layout's memory and bytes sent a step (micro_steps: each data-parallel replica's accumulation
+    steps), the bytes as the trainer's plan lines compute them (sharding, pipeline, tensor_parallel; on gloo)."""
+    P, block, embeddings = parameters(config)
+    weight = 2 if bf16 else 4  # bytes of a weight as FSDP gathers it (bf16: gathered in bf16)
+    acts = lambda layers: activation_bytes(config, rows, seq_len, layers, bf16)  # noqa: E731
+    L = config.n_layer
+    if layout.name == "dp":  # the whole state; DDP's buckets are a second copy of the gradients
+        layout.memory = (STATE_BYTES + 4) * P + acts(L)
+        layout.sent = sharding.bytes_sent(P, P, world, "none", micro_steps, bf16)
+    elif layout.name == "fsdp":  # a share of the state; one block and the embeddings gathered at a time
+        layout.memory = STATE_BYTES * P / world + 2 * (4 * block + 4 * embeddings) + acts(L)
+        layout.sent = sharding.bytes_sent(P, P, world, "full", micro_steps, bf16)
+    elif layout.name == "fsdp_grads":  # every weight gathered and kept, with its gradient, for the whole step
+        layout.memory = (STATE_BYTES - 8) * P / world + (weight + 4) * P + acts(L)
+        layout.sent = sharding.bytes_sent(P, P, world, "grads", micro_steps, bf16)
+    elif layout.name == "tp":  # a 1/tp share of every block's matrices; embeddings, LayerNorms and lm_head whole
+        t, dp = layout.tp, world // layout.tp
+        held, tp_bytes, dp_bytes = tensor_parallel.rank_plan(config, t, dp, rows, seq_len, micro_steps,
+                                                             "bf16" if bf16 else "fp32")
+        layout.memory = (STATE_BYTES + 4 * (dp > 1)) * held + acts(L) * (1 + 1 / t) / 2  # (about half of them split)
+        layout.sent = tp_bytes + dp_bytes
+    else:  # pipeline: the busiest stage; 1F1B keeps at most pp micro-batches' activations on the first stage
+        dp = world // layout.pp
+        bounds, _ = stages(config, layout.pp, seq_len)
+        held = pipeline.stage_plan(config, bounds, rows, seq_len, micro_steps, dp)
+        layout.memory = max((STATE_BYTES + 4 * (dp > 1)) * params for _, params, _ in held) + \
+            min(layout.pp, micro_steps) * acts(max(b - a for a, b in bounds))
+        layout.sent = max(sent for _, _, sent in held)
+    return layout
+
+def candidates(config, world, pp_stages_ok, tp=True):
+    """Every layout this world size can run: DDP, FSDP, ZeRO-2, pipelines of every stage count that divides it, and
+    tensor parallel over every rank count that divides it and the heads."""
+    layouts = [Layout(name, *FORCED[name]) for name in ("dp", "fsdp", "fsdp_grads")]
+    layouts += [Layout("pp", "none", pp) for pp in range(2, world + 1) if world % pp == 0 and pp_stages_ok(pp)]
+    layouts += [Layout("tp", "none", 1, t) for t in range(2, world + 1) if tp and world % t == 0 and config.n_head % t == 0]
+    return layouts
+
+# -----------------------------------------------------------------------------
+# What is measured: free memory, the link, one block's compute
+
+def free_memory(ranks, max_memory_gib):
+    """Bytes each rank may use, the least over the ranks: --max_memory, or the memory the OS says is available on
+    this node (MemAvailable) shared by the ranks on it."""
+    if max_memory_gib:
+        mine = max_memory_gib * 2**30
+    else:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        mine = available / ranks.local_world
+    least = torch.tensor([mine], dtype=torch.float64)
+    if ranks.world_size > 1:
+        torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
+    return least.item()
+
+def slowest(seconds, ranks):
+    """The largest of every rank's seconds (all ranks get the same number, so they decide the same way)."""
+    t = torch.tensor([seconds], dtype=torch.float64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t.item()
+
+def measure_link(ranks, size=32 * 2**20, turns=3):
+    """(bytes a second, seconds of latency) of the links, from all-reduces timed on every rank at once: 4 bytes (its
+    time is 2 (world - 1) messages' latency) and `size` bytes (a ring: each rank sends 2 (world-1)/world x size)."""
+    W = ranks.world_size
+    def timed(t):
+        best = math.inf
+        for _ in range(turns):
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            torch.distributed.all_reduce(t)
+            best = min(best, slowest(time.perf_counter() - start, ranks))
+        return best
+    latency = timed(torch.zeros(1)) / (2 * (W - 1))
+    big = timed(torch.zeros(size // 4))
+    return 2 * ring(W, size) / max(big - 2 * (W - 1) * latency, 1e-9), latency
+
+def time_block(make_block, rows, seq_len, n_embd, autocast, ranks, turns=3):
+    """Seconds of one block's forward and backward at the run's micro-batch, eager, the slowest rank's best, timed on
+    every rank at once (ranks that share a node's cores slow each other down in training too)."""
+    block = make_block()
+    x = torch.randn(rows, seq_len, n_embd, requires_grad=True)
+    best = math.inf
+    for _ in range(turns):
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        with autocast:
+            y = block(x)
+        y.float().sum().backward()
+        best = min(best, time.perf_counter() - start)
+    return slowest(best, ranks)
+
+# -----------------------------------------------------------------------------
+# The prediction, and the choice
+
+def predict(layout, config, world, seq_len, micro_steps, block_seconds, link):
+    """Seconds of a step: the busiest rank's compute (each micro-step runs its blocks forward and backward, and the
+    last stage lm_head and the loss, counted in blocks by their FLOPs), then its sending over the link; a pipeline of N
+    stages runs M + N - 1 micro-steps' worth of its slowest stage (the bubble: (N-1)/(M+N-1) idle)."""
+    bandwidth, latency = link
+    L = config.n_layer
+    block_cost, head_cost = pipeline.stage_costs(config, seq_len)
+    if layout.tp > 1:  # the blocks' work split; the embeddings, lm_head and the loss done by every rank
+        compute = micro_steps * (L / layout.tp + head_cost / block_cost) * block_seconds
+        messages = micro_steps * L * 4
+    elif layout.pp == 1:
+        compute = micro_steps * (L + head_cost / block_cost) * block_seconds
+        messages = micro_steps * 3 * (L + 1) if layout.name == "fsdp" else 3 * (L + 1)
+    else:
+        compute = (micro_steps + layout.pp - 1) * stages(config, layout.pp, seq_len)[1] * block_seconds
+        messages = 2 * micro_steps + 2
+    layout.seconds = compute + layout.sent / bandwidth + messages * 2 * (world - 1) * latency
+    return layout
+
+def choose(layouts, free, fits_alone):
+    """(chosen, runner-up or None): the fastest predicted layout that fits, DDP outright when it fits (fits_alone)."""
+    fitting = [l for l in layouts if l.memory <= HEADROOM * free]
+    if not fitting:
+        return None, None
+    if fits_alone:
+        return next(l for l in fitting if l.name == "dp"), None
+    ranked = sorted(fitting, key=lambda l: l.seconds)
+    return ranked[0], (ranked[1] if len(ranked) > 1 else None)
+
+def gib(b):
+    return f"{b / 2**30:.2f} GiB"
+
+def check_fits(args, config, ranks, bf16):
+    """A layout forced (--parallel NAME, --shard, --pp, --tp) that cannot fit: one error line with the memory it needs
+    and has, before the model is built. (Held to all the free memory, not 90%: the estimate is not exact.)"""
+    W, tp = ranks.world_size, getattr(args, "tp", 1)
+    name = "pp" if args.pp > 1 else "tp" if tp > 1 else {"none": "dp", "full": "fsdp", "grads": "fsdp_grads"}[args.shard]
+    micro = args.total_batch_size // (args.batch_size * args.seq_len * (W // (args.pp * tp)))
+    layout = plan(Layout(name, args.shard, args.pp, tp), config, W, args.batch_size, args.seq_len, micro, bf16)
+    free = free_memory(ranks, args.max_memory)
+    if layout.memory > free:
+        raise SystemExit(f"error: {layout.describe(W)} needs ~{gib(layout.memory)} a rank (training state and "
+                         f"activations), and a rank has {gib(free)}" + (" (--max_memory)" if args.max_memory else " free")
+                         + ": more ranks, a smaller --batch_size, or another layout (--parallel auto chooses one)")
+
+def decide(args, config, ranks, bf16, autocast, make_block):
+    """--parallel auto on `ranks`: the Layout to train with, and the line that says why (see the top of this file).
+    args: the run's (batch_size, seq_len, total_batch_size, max_memory)."""
+    W = ranks.world_size
+    free = free_memory(ranks, args.max_memory)
+    micro = lambda dp: args.total_batch_size // (args.batch_size * args.seq_len * dp)  # noqa: E731
+    layouts = [plan(l, config, W, args.batch_size, args.seq_len, micro(W // (l.pp * l.tp)), bf16)
+               for l in candidates(config, W, lambda pp: pp <= config.n_layer and micro(W // pp) >= pp, tp=hasattr(args, "tp"))]
+    dp = layouts[0]
+    if dp.memory <= HEADROOM * free:
+        return dp, (f"parallel: {dp.describe(W)}: the training state and activations, ~{gib(dp.memory)} a rank, fit "
+                    f"in {HEADROOM:.0%} of the {gib(free)} free on each (--parallel fsdp, fsdp_grads or pp forces another)")
+    link = measure_link(ranks)
+    block_seconds = time_block(make_block, args.batch_size, args.seq_len, config.n_embd, autocast, ranks)
+    for layout in layouts:
+        predict(layout, config, W, args.seq_len, micro(W // (layout.pp * layout.tp)), block_seconds, link)
+    chosen, runner_up = choose(layouts, free, fits_alone=False)
+    measured = (f"link {link[0] / 1e6:.0f} MB/s, {link[1] * 1e6:.0f} us; a block {block_seconds * 1000:.0f} ms; "
+                f"{gib(free)} free a rank")
+    if chosen is None:
+        least = min(layouts, key=lambda l: l.memory)
+        raise SystemExit(f"error: --parallel auto: no layout fits in {HEADROOM:.0%} of the {gib(free)} free on each "
+                         f"rank (the least, {least.describe(W)}, needs ~{gib(least.memory)}): more ranks, a smaller "
+                         f"--batch_size, or --max_memory")
+    line = lambda l: f"{l.describe(W)}: {l.seconds:.2f} s a step, {l.sent / 1e6:.0f} MB sent, {gib(l.memory)} a rank"  # noqa: E731
+    every = ", ".join(f"{l.short()} {l.seconds:.2f} s" + (" (does not fit)" if l.memory > HEADROOM * free else
+                                                          " (chosen)" if l is chosen else "") for l in layouts)
+    return chosen, (f"parallel: {line(chosen)} (predicted; {measured}); runner-up {line(runner_up) if runner_up else 'none'}"
+                    f" ({(runner_up or chosen).flags()} forces it); DDP would need ~{gib(dp.memory)} a rank\n"
+                    f"parallel: every layout's predicted step: {every}")

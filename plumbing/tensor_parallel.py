@@ -1,0 +1,249 @@
+"""
+Tensor parallel (--tp N): every block's matmuls split across N ranks, which compute one layer together
+(torch.distributed.tensor.parallel: parallelize_module, ColwiseParallel, RowwiseParallel; the split weights are DTensors).
+
+    attention: c_attn by columns (each rank computes the q, k and v of its n_head/N heads), attention itself on those
+               heads alone, c_proj by rows (its rows are the heads' outputs): the partial sums all-reduced
+    MLP:       c_fc by columns (4C/N hidden units per rank), GELU on them, c_proj by rows: all-reduced
+    the rest:  embeddings, LayerNorms, ln_f and the tied lm_head (with the chunked loss) replicated: every rank of a
+               tensor-parallel group computes them alike, on the same micro-batches, so their gradients agree
+
+Per block and micro-batch, two all-reduces of the (B, T, C) activations forward (after each c_proj) and two backward
+(the gradients of c_attn's and c_fc's inputs): Megatron-LM's layout. That traffic is every layer's, every micro-batch's:
+it pays inside a node, over shared memory or fast links, to fit a model whose blocks one rank cannot hold (docs/parallel.md).
+
+One device mesh, (dp, tp): rank r is tensor-parallel rank r % tp of data-parallel replica r // tp. A replica's ranks
+read the same micro-batches; the replicas average their gradients, as DDP does, once a step. Checkpoints stay in the
+one-process (Hugging Face) layout: any layout, sample.py and export_hf.py read them.
+"""
+import torch
+import torch.distributed as dist
+
+# -----------------------------------------------------------------------------
+# Layouts refused with one line, before anything expensive
+
+def check_layout(args, world_size):
+    """One error line for a --tp that cannot run. Returns the world size left for the other degrees (world / tp)."""
+    tp = args.tp
+    if tp < 1 or world_size % tp:
+        raise SystemExit(f"error: --tp {tp}: the world size {world_size} is not a multiple of it "
+                         f"(world = data-parallel replicas x pipeline stages x tensor-parallel ranks)")
+    if tp > 1 and (args.pp > 1 or args.shard != "none" or args.lora):
+        flag = "--pp" if args.pp > 1 else "--shard" if args.shard != "none" else "--lora"
+        raise SystemExit(f"error: --tp {tp} with {flag}: not yet combined (--tp runs with --pp 1, --shard none, no --lora)")
+    if tp > 1 and args.init_from == "scratch" and not args.resume:
+        check_divides(tp, args.n_head, args.n_embd)
+    return world_size // tp
+
+def check_divides(tp, n_head, n_embd):
+    """Each rank computes whole heads. The MLP's width, 4 n_embd = 4 n_head x head size, is then divisible too."""
+    if n_head % tp:
+        raise SystemExit(f"error: --tp {tp} does not divide the model's {n_head} heads (--n_head): each rank computes "
+                         f"whole heads, and 4 x n_embd / {tp} of the MLP's columns")
+
+# -----------------------------------------------------------------------------
+# c_attn's rows: q, k, v one after the other, regrouped so that a plain split by rows hands each rank its heads
+
+def rank_order(n_embd, tp):
+    """The permutation of c_attn's 3C output rows that puts [q, k, v of rank 0's heads], [q, k, v of rank 1's], ... one
+    after the other. A plain column split of [q; k; v] would give rank 0 of 2 all of q's first half and none of v."""
+    share = n_embd // tp
+    return torch.cat([part * n_embd + rank * share + torch.arange(share) for rank in range(tp) for part in range(3)])
+
+def to_rank_order(t, n_embd, tp, inverse=False):
+    """c_attn's weight (3C, C), bias (3C,) or their AdamW moments, from the one-process order to the ranks' (or back)."""
+    order = rank_order(n_embd, tp)
+    return t[torch.argsort(order)] if inverse else t[order]
+
+def is_c_attn(name):
+    return name.endswith("attn.c_attn.weight") or name.endswith("attn.c_attn.bias")
+
+def local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+# -----------------------------------------------------------------------------
+# The model split, and its step
+
+class TensorParallel:
+    """This rank's share of a GPT's blocks (model: split in place), its place on the (dp, tp) mesh. step() runs one
+    optimizer step's forward and backward; calling it evaluates a batch. The same interface as pipeline.Pipeline."""
+
+    def __init__(self, model, args, ranks, n_microbatches, print0, dtype="fp32"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from plumbing import speedups
+        config = model.config
+        check_divides(args.tp, config.n_head, config.n_embd)  # (a pretrained model's or a checkpoint's own sizes)
+        self.tp, self.dp, self.config, self.model = args.tp, ranks.world_size // args.tp, config, model
+        self.replica, self.device = ranks.rank // self.tp, ranks.device
+        device_type = ranks.device.split(":")[0]
+        self.mesh = init_device_mesh(device_type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
+        self.tp_group, self.dp_group = self.mesh.get_group("tp"), self.mesh.get_group("dp")
+        self.autocast = lambda: speedups.autocast(dtype, device_type)
+        plan = {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
+                "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()}
+        with torch.no_grad():
+            for block in model.transformer.h:
+                attn = block.attn
+                attn.c_attn.weight.copy_(to_rank_order(attn.c_attn.weight, config.n_embd, self.tp))
+                attn.c_attn.bias.copy_(to_rank_order(attn.c_attn.bias, config.n_embd, self.tp))
+                parallelize_module(block, self.mesh["tp"], plan)
+                attn.n_head, attn.n_embd = config.n_head // self.tp, config.n_embd // self.tp  # its view of q, k, v
+        self.n_microbatches, self.batch, self.seq_len, self.dtype = n_microbatches, args.batch_size, args.seq_len, dtype
+        print0(plan_line(self))
+
+    def step(self, batches, n_targets, max_norm):
+        """One optimizer step's gradients over its micro-batches (batches: [(x, y, packed)], the same on every rank of a
+        replica; n_targets: the step's targets over all replicas, or None when every micro-batch holds as many),
+        averaged over the replicas, then clipped. Returns (the step's mean loss, the global gradient norm before clipping)."""
+        from plumbing.fused_loss import IGNORE
+        loss_accum = torch.zeros((), device=self.device)
+        for x, y, packed in batches:
+            x, y, packed = x.to(self.device), y.to(self.device), packed and packed.to(self.device)
+            with self.autocast():
+                _, loss = self.model(x, y, packed=packed)
+            # as train_gpt2.accumulate_gradients weighs it: each micro-batch's mean by its share of the step's targets,
+            # times the replicas, whose gradients are then averaged
+            loss = loss / len(batches) if n_targets is None else loss * (int((y != IGNORE).sum()) * self.dp / max(n_targets, 1))
+            loss_accum += loss.detach()
+            loss.backward()
+        if self.dp > 1:  # what DDP does, once a step: every replica's gradients averaged (each rank: its own share)
+            grads = [local(p.grad) for p in self.model.parameters() if p.grad is not None]
+            flat = torch.cat([g.flatten() for g in grads])  # one all-reduce: a single message for the whole share
+            dist.all_reduce(flat, group=self.dp_group)
+            flat /= self.dp
+            for g, avg in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(avg)
+            dist.all_reduce(loss_accum, group=self.dp_group)
+            loss_accum /= self.dp
+        return loss_accum, self.clip(max_norm)
+
+    def clip(self, max_norm):
+        """torch.nn.utils.clip_grad_norm_ over the whole model: the global norm's squares are the split gradients'
+        (summed over the tensor-parallel ranks, each holding its share) plus the replicated ones' (every rank holds all
+        of each: counted once); every rank scales its gradients by the same factor."""
+        split, whole = [], []
+        for p in self.model.parameters():
+            if p.grad is not None:
+                sharded = hasattr(p.grad, "placements") and any(pl.is_shard() for pl in p.grad.placements)
+                (split if sharded else whole).append(local(p.grad))
+        squares = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in split]).sum()
+        dist.all_reduce(squares, group=self.tp_group)
+        squares = squares + torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in whole]).sum()
+        norm = squares.sqrt()
+        torch._foreach_mul_(split + whole, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+        return norm
+
+    @torch.no_grad()
+    def __call__(self, x, y, packed=None):
+        """(None, the loss of one batch), as GPT.forward returns it: every rank of the replica computes it together."""
+        return self.model(x, y, packed=packed)
+
+    # -------------------------------------------------------------------------
+    # Checkpoints: the one-process format, so that any layout, sample.py and export_hf.py read them
+
+    def one_process_names(self):
+        """The trained parameters' names in GPT.configure_optimizer's numbering on one process: matrices first."""
+        return [n for decay in (True, False) for n, p in self.model.named_parameters()
+                if p.requires_grad and (p.dim() >= 2) == decay]
+
+    def optimizer_names(self, optimizer):
+        """The names of this optimizer's parameters in its own numbering (its groups keep DTensors apart)."""
+        name_of = {id(p): n for n, p in self.model.named_parameters()}
+        return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+    def whole(self, name, t):
+        """The whole tensor of a parameter (or of its AdamW moment), in the one-process layout; every rank of the
+        tensor-parallel group calls it (a split one is all-gathered)."""
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        return to_rank_order(t, self.config.n_embd, self.tp, inverse=True) if is_c_attn(name) and t.dim() else t
+
+    def full_state(self, optimizer=None):
+        """(the whole model's state_dict, AdamW's state_dict numbered as one process numbers it, or None) on rank 0,
+        (None, None) elsewhere. Every rank calls it; replica 0's ranks gather the split tensors."""
+        if self.replica != 0:
+            return None, None
+        weights = {k: self.whole(k, v.detach()) for k, v in self.model.state_dict().items()}
+        moments = None
+        if optimizer is not None:
+            saved, names = optimizer.state_dict(), self.optimizer_names(optimizer)
+            moments = {names[i]: {k: self.whole(names[i], v) for k, v in s.items()} for i, s in saved["state"].items()}
+        if dist.get_rank() != 0:
+            return None, None
+        if optimizer is None:
+            return weights, None
+        order = self.one_process_names()
+        split = sum(1 for n in order if weights[n].dim() >= 2)
+        groups = []  # one process's two: the matrices (decayed), the rest; with the hyperparameters of ours
+        for ids, want_decay in ((range(split), True), (range(split, len(order)), False)):
+            group = next(g for g, ours in zip(saved["param_groups"], optimizer.param_groups)
+                         if ours["params"] and (ours["params"][0].dim() >= 2) == want_decay)
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(ids)})
+        return weights, {"state": {i: moments[n] for i, n in enumerate(order) if n in moments}, "param_groups": groups}
+
+    def load_optimizer_state(self, optimizer, full):
+        """A one-process checkpoint's AdamW state (full) into this rank's optimizer: its own shares of the moments."""
+        from torch.distributed.tensor import distribute_tensor
+        index = {n: i for i, n in enumerate(self.one_process_names())}
+        params = dict(self.model.named_parameters())
+        state = {}
+        for i, name in enumerate(self.optimizer_names(optimizer)):
+            p, saved = params[name], full["state"].get(index[name])
+            if saved is None:
+                continue
+            state[i] = {}
+            for k, v in saved.items():
+                if hasattr(p, "placements") and v.dim() > 0:  # this rank's share, cut from the whole (no traffic)
+                    v = to_rank_order(v, self.config.n_embd, self.tp) if is_c_attn(name) else v
+                    v = distribute_tensor(v, p.device_mesh, p.placements, src_data_rank=None)
+                state[i][k] = v
+        groups, first = [], 0
+        for group in optimizer.param_groups:  # the saved hyperparameters of the group (matrices or not) it belongs to
+            saved = full["param_groups"][0 if group["params"][0].dim() >= 2 else 1]
+            groups.append({**{k: v for k, v in saved.items() if k != "params"},
+                           "params": list(range(first, first + len(group["params"])))})
+            first += len(group["params"])
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    def check_same_weights(self, ranks):
+        """The end-of-run check (world.check_same_weights), for a split model: the replicas hold the same shares, and
+        rank 0 prints the whole model's digest (the one a single process with the same weights prints)."""
+        from plumbing import world
+        digest = world.state_digest({k: local(v) for k, v in self.model.state_dict().items()})
+        digests = [None] * self.dp
+        dist.all_gather_object(digests, digest, group=self.dp_group)
+        if len(set(digests)) != 1:
+            raise SystemExit(f"error: the data-parallel replicas hold different parameters: {digests}")
+        weights, _ = self.full_state()
+        if ranks.master:
+            print(f"parameter sha256 (all {ranks.world_size} rank(s)): {world.state_digest(weights)}", flush=True)
+
+# -----------------------------------------------------------------------------
+# What each rank holds and sends, computed
+
+def rank_plan(config, tp, dp, batch, seq_len, n_microbatches, dtype):
+    """(parameters a rank holds, bytes it sends a step under tp, bytes under dp). A block's 12 C^2 + 13 C parameters:
+    its four matrices (12 C^2) and c_attn's and c_fc's biases (7 C) split in tp shares; c_proj's two biases and the two
+    LayerNorms (6 C) whole; the embeddings' (V + block_size) C (lm_head is wte) and ln_f's 2 C whole.
+    Sent under tp: per micro-batch and block, 2 all-reduces of B T C activations forward, in the forward's dtype (c_proj's
+    outputs: bf16 2 bytes, fp32 4), and 2 backward, in fp32 (the gradients of c_attn's and c_fc's inputs reach the
+    all-reduce after autocast's cast back: seen in tests/test_tensor_parallel.py); a ring all-reduce sends 2 (tp-1)/tp
+    of its tensor from each rank:
+        tp bytes = n_microbatches x n_layer x 2 x 2 (tp-1)/tp x B T C x (forward's bytes per element + 4)
+    Under dp: the replicas' all-reduce of the rank's fp32 gradients, 2 (dp-1)/dp x parameters x 4."""
+    C, V, L = config.n_embd, config.vocab_size, config.n_layer
+    params = L * ((12 * C * C + 7 * C) / tp + 6 * C) + (V + config.block_size) * C + 2 * C
+    forward = 2 if dtype == "bf16" else 4
+    tp_bytes = n_microbatches * L * 2 * 2 * (tp - 1) / tp * batch * seq_len * C * (forward + 4)
+    return params, tp_bytes, 2 * (dp - 1) / dp * params * 4
+
+def plan_line(tp):
+    """The layout, and per rank its parameters, the memory of its training state and the bytes it sends a step."""
+    c = tp.config
+    params, tp_bytes, dp_bytes = rank_plan(c, tp.tp, tp.dp, tp.batch, tp.seq_len, tp.n_microbatches, tp.dtype)
+    whole = c.n_layer * (12 * c.n_embd ** 2 + 13 * c.n_embd) + (c.vocab_size + c.block_size + 2) * c.n_embd
+    return (f"tensor parallel: {tp.tp} ranks x {tp.dp} data-parallel replica(s): each block's attention split by heads "
+            f"({c.n_head // tp.tp} of {c.n_head} a rank), its MLP by columns ({4 * c.n_embd // tp.tp} of {4 * c.n_embd}); "
+            f"embeddings, LayerNorms, lm_head replicated\n  each rank: {params / 1e6:.2f}M of {whole / 1e6:.2f}M parameters, "
+            f"{16 * params / 2**30:.3f} GiB of weights, gradients and AdamW state; sends {(tp_bytes + dp_bytes) / 1e6:.1f} MB "
+            f"a step ({tp_bytes / 1e6:.1f} MB in tp's 4 all-reduces a block and micro-batch, {dp_bytes / 1e6:.1f} MB in dp's)")

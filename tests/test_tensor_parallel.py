@@ -1,0 +1,220 @@
+"""Tensor parallel (--tp, plumbing/tensor_parallel.py), proven equal to one process: 2 ranks, and 2 replicas x 2 ranks
+(losses, val losses, clipping's norms, final weights within 1e-5); checkpoints that cross layouts both ways; c_attn's
+regrouping of q, k and v by heads; the plan line's parameters per rank; the layouts refused with one line.
+
+The tiny model (2 heads, 32 wide): with --tp 2 each rank computes one head and 64 of the MLP's 128 columns.
+"""
+import os
+import re
+import shutil
+import sys
+
+import pytest
+import torch
+
+import train_gpt2
+from conftest import (LIMIT, TINY_MODEL, clean_env, final_weights_diff, make_shards, run_launched, run_train,
+                      tiny_run_args)
+from plumbing import tensor_parallel
+from test_distributed import assert_same_run
+
+TOL = 1e-5
+EAGER = ["--no-compile"]  # (the one-process reference: a cold torch.compile costs a minute; --tp runs eagerly anyway)
+
+
+def torchrun(n):
+    return (sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}")
+
+
+def printed_norms(stdout):
+    return [float(n) for n in re.findall(r"\| norm ([\d.]+) \|", stdout)]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_shards(tmp_path_factory.mktemp("tp") / "data")
+
+
+@pytest.fixture(scope="module")
+def single(data, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("single") / "log"
+    return log_dir, run_train(tiny_run_args(data, log_dir, *EAGER), env=clean_env(), timeout=LIMIT)
+
+
+@pytest.fixture(scope="module")
+def tp2(data, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("tp2") / "log"
+    return log_dir, run_launched(tiny_run_args(data, log_dir, "--tp", "2"), torchrun(2), clean_env())
+
+
+def tiny_shares(tp):
+    """(parameters on each rank, in all) of the tiny model under --tp, counted from a one-process GPT: every block's
+    c_attn, c_fc (weights and biases) and both c_proj weights are split, everything else is whole."""
+    n_layer, n_head, n_embd, block_size = (int(v) for v in TINY_MODEL[1::2])
+    model = train_gpt2.GPT(train_gpt2.GPTConfig(block_size=block_size, vocab_size=train_gpt2.PADDED_VOCAB_SIZE,
+                                                n_layer=n_layer, n_head=n_head, n_embd=n_embd))
+    split = sum(p.numel() for n, p in model.named_parameters()
+                if re.search(r"attn\.c_attn\.|mlp\.c_fc\.|c_proj\.weight", n))
+    total = sum(p.numel() for p in model.parameters())
+    return total - split + split // tp, total
+
+
+@pytest.mark.xdist_group("multiprocess")
+@pytest.mark.parametrize("ranks", [2, 4], ids=["tp2", "dp2xtp2"])
+def test_tensor_parallel_equals_one_process(data, single, tp2, tmp_path, ranks):
+    """The losses of 6 steps, the val losses, the gradient norms (clipping's: split gradients summed over the ranks,
+    replicated ones counted once) and the final weights of one process; the run's end check has found the replicas
+    equal (it stops the run otherwise)."""
+    if ranks == 2:
+        log_dir, proc = tp2
+    else:
+        log_dir = tmp_path / "log"
+        proc = run_launched(tiny_run_args(data, log_dir, "--tp", "2"), torchrun(ranks), clean_env())
+    assert f"tensor parallel: 2 ranks x {ranks // 2} data-parallel replica(s)" in proc.stdout
+    mine, total = tiny_shares(2)
+    assert f"each rank: {mine / 1e6:.2f}M of {total / 1e6:.2f}M parameters" in proc.stdout
+    worst = assert_same_run(single[0], log_dir)
+    print(f"{ranks} ranks --tp 2 vs 1 process: largest train loss difference {worst:.1e}")
+    assert final_weights_diff(single[0], log_dir) <= TOL
+    norms, reference = printed_norms(proc.stdout), printed_norms(single[1].stdout)
+    assert len(norms) == 6 and max(abs(a - b) for a, b in zip(norms, reference)) <= 2e-4, (norms, reference)
+    assert re.search(rf"parameter sha256 \(all {ranks} rank\(s\)\): [0-9a-f]{{64}}", proc.stdout)
+
+
+def stopped_after_step_3(run_dir, copy):
+    shutil.copytree(run_dir, copy)
+    for f in train_gpt2.list_checkpoints(str(copy))[1:]:
+        os.remove(f)
+    return copy
+
+
+@pytest.mark.xdist_group("multiprocess")
+def test_checkpoints_cross_layouts(single, tp2, tmp_path):
+    """A --tp checkpoint is one process's format (c_attn's rows back in q, k, v order): it resumes on one process,
+    and one process's resumes under --tp 2, each continuing the uninterrupted run."""
+    to_one = stopped_after_step_3(tp2[0], tmp_path / "to_one")
+    proc = run_train(["--resume", "--log_dir", to_one, *EAGER], env=clean_env(), timeout=LIMIT)
+    assert "model_00003.pt at step 3" in proc.stdout and "tensor parallel:" not in proc.stdout
+    assert_same_run(single[0], to_one)
+    assert final_weights_diff(single[0], to_one) <= TOL
+    to_tp = stopped_after_step_3(single[0], tmp_path / "to_tp")
+    proc = run_launched(["--resume", "--log_dir", to_tp, "--tp", "2"], torchrun(2), clean_env())
+    assert "model_00003.pt at step 3" in proc.stdout and "tensor parallel: 2 ranks" in proc.stdout
+    assert_same_run(single[0], to_tp)
+    assert final_weights_diff(single[0], to_tp) <= TOL
+
+
+@pytest.mark.xdist_group("multiprocess")
+def test_tensor_parallel_on_task_data_equals_one_process(tmp_path):
+    """Packed task rows with answers of uneven length, on 2 replicas x 2 ranks: attention inside each example on the
+    rank's heads, and each micro-batch's loss weighed by its share of the step's targets (2 micro-batches of one row
+    a step on each replica)."""
+    from conftest import read_log
+    from test_finetune_train import task_run_args, uneven_task
+    task = uneven_task(tmp_path)
+    equal = ["--batch_size", "1", "--total_batch_size", "256", *EAGER]
+    run_train(task_run_args(task, tmp_path / "single", *equal), env=clean_env(), timeout=LIMIT)
+    proc = run_launched(task_run_args(task, tmp_path / "tp", *equal, "--tp", "2"), torchrun(4), clean_env())
+    assert "tensor parallel: 2 ranks x 2 data-parallel replica(s)" in proc.stdout
+    ref, got = read_log(tmp_path / "single", "train"), read_log(tmp_path / "tp", "train")
+    assert sorted(got) == sorted(ref) == [0, 1, 2, 3]
+    assert max(abs(ref[s] - got[s]) for s in ref) <= TOL, (ref, got)
+    assert final_weights_diff(tmp_path / "single", tmp_path / "tp") <= TOL
+
+
+def test_c_attn_rows_grouped_by_heads():
+    """Rank r's rows of the regrouped c_attn are the q, k and v rows of its own heads, in that order; undone exactly."""
+    C, tp = 8, 2  # rows 0-7 are q, 8-15 k, 16-23 v; rank 0's heads are columns 0-3 of each, rank 1's 4-7
+    order = tensor_parallel.rank_order(C, tp)
+    assert order.tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]
+    w = torch.randn(3 * C, 5)
+    assert torch.equal(tensor_parallel.to_rank_order(tensor_parallel.to_rank_order(w, C, tp), C, tp, inverse=True), w)
+
+
+def test_parallel_tp_forces_tensor_parallel_over_every_rank():
+    from train_args import build_parser, resolve_layout
+    args = build_parser().parse_args(["--parallel", "tp"])
+    resolve_layout(args, {"parallel": "tp"}, 4)
+    assert (args.shard, args.pp, args.tp) == ("none", 1, 4)
+    args = build_parser().parse_args(["--tp", "2"])
+    resolve_layout(args, {"tp": 2}, 4)
+    assert args.parallel == "flags"  # --tp given: a layout forced, not one for --parallel auto to choose
+
+
+def test_bad_layouts_are_one_line(data, tmp_path):
+    from train_args import build_parser, check_args
+    def refused(world_size, *flags):
+        args = build_parser().parse_args(["--data_dir", data, *flags])
+        with pytest.raises(SystemExit) as e:
+            check_args(args, world_size)
+        return str(e.value)
+    assert "--tp 3: the world size 4 is not a multiple of it" in refused(4, "--tp", "3")
+    assert "--tp 2 does not divide the model's 3 heads (--n_head)" in refused(2, "--tp", "2", "--n_head", "3",
+                                                                               "--n_embd", "96")
+    assert "--tp 2 with --pp: not yet combined" in refused(4, "--tp", "2", "--pp", "2")
+    assert "--tp 2 with --shard: not yet combined" in refused(2, "--tp", "2", "--shard", "full")
+    assert "--tp 2 with --lora: not yet combined" in refused(2, "--tp", "2", "--lora", "4")
+    proc = run_train(tiny_run_args(data, tmp_path / "log", "--tp", "2"), check=False)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("error: --tp 2: the world size 1")
+    assert "Traceback" not in proc.stderr
+
+
+TRAFFIC = '''
+import json, sys, torch, torch.distributed as dist
+from types import SimpleNamespace
+from torch.utils._python_dispatch import TorchDispatchMode
+sys.path.insert(0, sys.argv[1])
+from train_gpt2 import GPT, GPTConfig
+from plumbing import tensor_parallel
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+config = GPTConfig(block_size=16, vocab_size=128, n_layer=2, n_head=2, n_embd=8)
+seen = []
+class Record(TorchDispatchMode):  # every collective the step makes: DTensor's (functional) ones and ours
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "c10d" in str(func):
+            seen.append([str(func), str(args[0].dtype) if hasattr(args[0], "dtype") else "", list(getattr(args[0], "shape", []))])
+        return func(*args, **(kwargs or {}))
+out = {}
+for dtype in ("fp32", "bf16"):
+    tp = tensor_parallel.TensorParallel(GPT(config), SimpleNamespace(tp=2, batch_size=2, seq_len=16),
+                                        SimpleNamespace(world_size=2, rank=dist.get_rank(), device="cpu"), 3, lambda *a: None, dtype)
+    x = torch.randint(0, 128, (2, 16))
+    seen.clear()
+    with Record():
+        tp.step([(x, x, None)] * 3, None, 1.0)
+    out[dtype] = {"seen": list(seen), "plan": tensor_parallel.rank_plan(config, 2, 1, 2, 16, 3, dtype)[1]}
+if dist.get_rank() == 0:
+    print(json.dumps(out))
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.xdist_group("multiprocess")
+def test_traffic_is_the_plan_lines(tmp_path):
+    """What --tp sends, recorded during a step of 3 micro-batches through 2 blocks: per micro-batch and block 2
+    all-reduces of (B, T, C) forward, in the forward's dtype, and 2 backward, in fp32; their bytes (2 (N-1)/N of each
+    tensor from each rank) are the plan line's. Beside them, only clipping's one all-reduce of a number."""
+    import json
+    from conftest import REPO
+    script = tmp_path / "traffic.py"
+    script.write_text(TRAFFIC)
+    proc = run_launched_script(script, REPO)
+    for dtype, got in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        activations = [(d, s) for f, d, s in got["seen"] if "_c10d_functional.all_reduce" in f]
+        forward = "torch.bfloat16" if dtype == "bf16" else "torch.float32"
+        assert activations == 3 * ([(forward, [2, 16, 8])] * 4 + [("torch.float32", [2, 16, 8])] * 4), got["seen"]
+        sends = ("all_reduce", "allreduce", "gather", "scatter", "broadcast", "send", "recv")  # (not waits, wrappers)
+        rest = [f for f, d, s in got["seen"] if any(w in f for w in sends) and "_c10d_functional.all_reduce" not in f]
+        assert len(rest) == 1 and "allreduce" in rest[0], rest  # the clipping norm's squares
+        sent = sum(2 * 16 * 8 * (2 if d == "torch.bfloat16" else 4) for d, _ in activations) * 2 * (2 - 1) / 2
+        assert got["plan"] == sent, (dtype, got["plan"], sent)
+
+
+def run_launched_script(script, repo):
+    import subprocess
+    proc = subprocess.run([*torchrun(2), str(script), repo], capture_output=True, text=True, env=clean_env(), cwd=repo,
+                          timeout=LIMIT)
+    assert proc.returncode == 0, proc.stderr
+    return proc
