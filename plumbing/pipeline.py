@@ -11,8 +11,6 @@ The model is openly GPT: the first stage holds the embeddings, the last ln_f and
 (tied). Each of the two keeps its copy; after every step the two copies' gradients are summed (one all-reduce
 between the first and the last stage), so they stay equal, and gradient clipping counts the weight once.
 """
-import hashlib
-import math
 
 import torch
 import torch.distributed as dist
