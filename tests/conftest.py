@@ -3,6 +3,7 @@ processes at once), comparing two runs' final weights, one torch thread for tiny
 tiny models that answer and fine-tuned checkpoints made by hand; and the xdist set-up (pytest.ini, docs/tests.md)."""
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -139,6 +140,16 @@ def clean_env(**extra):
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+def torchrun(n):
+    """torchrun's command for n ranks on this machine (the multi-rank layout tests launch with it)."""
+    return (sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}")
+
+
+def printed_norms(stdout):
+    """The gradient norms a run's step lines print."""
+    return [float(n) for n in re.findall(r"\| norm ([\d.]+) \|", stdout)]
 
 
 def free_port():

@@ -1,10 +1,9 @@
 """--parallel auto (plumbing/layouts.py): what each layout holds and sends, the prediction, the choice, and runs."""
 import re
-import sys
 
 import pytest
 
-from conftest import clean_env, final_weights_diff, make_shards, read_log, run_launched, run_train, tiny_run_args
+from conftest import clean_env, final_weights_diff, make_shards, read_log, run_launched, run_train, tiny_run_args, torchrun
 from plumbing import layouts
 from train_gpt2 import GPTConfig, PADDED_VOCAB_SIZE
 
@@ -74,9 +73,6 @@ def test_slow_links_choose_the_pipeline_fast_ones_the_least_compute():
 def data(tmp_path_factory):
     return make_shards(tmp_path_factory.mktemp("layouts") / "data")
 
-
-def torchrun(n):
-    return (sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}")
 
 
 @pytest.mark.xdist_group("multiprocess")

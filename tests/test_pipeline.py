@@ -14,7 +14,8 @@ import sys
 import pytest
 
 import train_gpt2
-from conftest import LIMIT, REPO, clean_env, final_weights_diff, make_shards, read_log, run_launched, run_train, tiny_run_args
+from conftest import (LIMIT, REPO, clean_env, final_weights_diff, make_shards, printed_norms, read_log, run_launched,
+                      run_train, tiny_run_args, torchrun)
 from plumbing import pipeline
 from test_distributed import assert_same_run
 
@@ -24,12 +25,6 @@ TOL = 1e-5
 EQUAL = ["--batch_size", "2", "--total_batch_size", "384", "--n_layer", "4"]
 
 
-def torchrun(n):
-    return (sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}")
-
-
-def printed_norms(stdout):
-    return [float(n) for n in re.findall(r"\| norm ([\d.]+) \|", stdout)]
 
 
 @pytest.fixture(scope="module")

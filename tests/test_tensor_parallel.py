@@ -7,14 +7,13 @@ The tiny model (2 heads, 32 wide): with --tp 2 each rank computes one head and 6
 import os
 import re
 import shutil
-import sys
 
 import pytest
 import torch
 
 import train_gpt2
-from conftest import (LIMIT, TINY_MODEL, clean_env, final_weights_diff, make_shards, run_launched, run_train,
-                      tiny_run_args)
+from conftest import (LIMIT, TINY_MODEL, clean_env, final_weights_diff, make_shards, printed_norms, run_launched,
+                      run_train, tiny_run_args, torchrun)
 from plumbing import tensor_parallel
 from test_distributed import assert_same_run
 
@@ -22,12 +21,6 @@ TOL = 1e-5
 EAGER = ["--no-compile"]  # (the one-process reference: a cold torch.compile costs a minute; --tp runs eagerly anyway)
 
 
-def torchrun(n):
-    return (sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}")
-
-
-def printed_norms(stdout):
-    return [float(n) for n in re.findall(r"\| norm ([\d.]+) \|", stdout)]
 
 
 @pytest.fixture(scope="module")
