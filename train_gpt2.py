@@ -94,12 +94,19 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.gelu = nn.GELU(approximate="tanh")  # GPT-2 used the tanh approximation
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
         self.c_proj.RESIDUAL_SCALE_INIT = True
 
     def forward(self, x):
-        return self.c_proj(self.gelu(self.c_fc(x)))
+        return self.c_proj(tanh_gelu(self.c_fc(x)))
+
+def tanh_gelu(x):
+    """GPT-2's GELU, the tanh approximation 0.5 x (1 + tanh(z)), z = sqrt(2/pi) (x + 0.044715 x^3). Compiled, it is
+    written x * sigmoid(2z), the same function (tanh(z) = 2 sigmoid(2z) - 1): torch.compile's CPU code computes a
+    sigmoid from one exp, twice as fast as its tanh (AMX Xeon: GELU's forward and backward were 7% of a GPT-2 step)."""
+    if torch.compiler.is_compiling():
+        return x * torch.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
+    return F.gelu(x, approximate="tanh")
 
 class Block(nn.Module):
 

@@ -83,7 +83,8 @@ def kernel():
             try:
                 cpp_extension.load("gpt2cpu_attention", [source], build_directory=build, is_python_module=False,
                                    extra_cflags=["-O3", "-march=native", "-fno-strict-aliasing",
-                                                 "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"])
+                                                 "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-fopenmp"],
+                                   extra_ldflags=["-fopenmp"])  # (OpenMP: at::parallel_for's threads, see .cpp)
             except (OSError, RuntimeError, ImportError) as e:  # no compiler, no ninja, ...: PyTorch's attention runs
                 why_not = f"attention.cpp's kernel could not be built: {one_line(e)}"
                 return False

@@ -28,6 +28,18 @@ def forward_backward(attend, q, k, v, grad):
 
 
 @needs_amx
+def test_the_kernel_runs_on_every_thread():
+    """at::parallel_for in the kernel spreads (batch, head) pairs over torch's threads: it runs on one thread only,
+    silently, when the extension is compiled without OpenMP (it was: the kernel used one core of two)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.ops.gpt2cpu.attention_threads_used() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_amx
 @pytest.mark.parametrize("B,H,T", [(2, 3, 200), (1, 2, 1024)])
 def test_the_kernel_is_as_close_to_fp64_as_sdpa(B, H, T):
     """Output and the three gradients, against fp64 attention: within 1.5x of SDPA's own bf16 error (max and relative

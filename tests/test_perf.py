@@ -68,6 +68,21 @@ def test_chunked_loss_equals_cross_entropy_fp32():
     assert rel(loss, plain["loss"]) <= 1e-6
 
 
+def test_compiled_gelu_is_gpt2s_tanh_gelu(monkeypatch):
+    """Compiled, the MLP's GELU is written x * sigmoid(2z), a faster kernel: it must be F.gelu's tanh approximation,
+    values and gradients, in fp64 (to rounding) over the range activations take."""
+    from train_gpt2 import tanh_gelu
+    monkeypatch.setattr(torch._dynamo.config, "disable", False)  # conftest.py turns torch.compile off
+    x = torch.linspace(-12, 12, 10001, dtype=torch.float64, requires_grad=True)
+    compiled = torch.compile(tanh_gelu, backend="inductor", fullgraph=True)
+    for gelu in (compiled, lambda t: F.gelu(t, approximate="tanh")):
+        y = gelu(x)
+        grad, = torch.autograd.grad(y.sum(), x)
+        if gelu is compiled:
+            ours = (y.detach(), grad)
+    assert torch.allclose(ours[0], y, rtol=0, atol=1e-12) and torch.allclose(ours[1], grad, rtol=0, atol=1e-12)
+
+
 def test_chunked_loss_bf16_rounds_no_worse_than_plain():
     # In bf16 neither path equals the fp32 result: both round the logits and their gradient to
     # bf16. The chunked path also rounds the lm_head (= wte) weight gradient once per chunk before
