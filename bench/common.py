@@ -12,8 +12,10 @@ import json
 import os
 import resource
 import signal
+import statistics
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -173,6 +175,27 @@ def reset_peak_rss():
         return False
 
 
+def sustained_rate(dtype, width, seconds=1.0):
+    """GFLOP/s of `seconds` of back-to-back products at the probe's shape, (M, width) @ (width, 4 width): the rate the
+    CPU keeps up. The fastest single product can catch a burst: on a 2-core Xeon with AMX (a cloud VM), single bf16
+    products reached 2.0-2.3 TFLOP/s for moments while whole seconds of them ran at 600-810 GFLOP/s, and a training
+    step timed during such a moment was no faster. M grows 4x at a time from 16 rows up to 1024 while a product takes
+    under 0.05 s (PyTorch's bf16 fallback runs ~1 GFLOP/s on a CPU without native bf16)."""
+    rows, b = 16, torch.randn(width, 4 * width, dtype=dtype)
+    while True:
+        a = torch.randn(rows, width, dtype=dtype)
+        start = time.perf_counter()
+        a @ b
+        if rows >= 1024 or 4 * (time.perf_counter() - start) > 0.05:
+            break
+        rows *= 4
+    products, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        a @ b
+        products += 1
+    return 2 * rows * width * 4 * width * products / elapsed / 1e9
+
+
 def serve(step, n_params, dtype_name, dtype_line, n_embd):
     """The worker's side, once its configuration is built: says it is ready, then runs the parent's commands, one
     per line of stdin, one JSON reply per line of stdout. step() runs one training step and returns its figures."""
@@ -184,7 +207,7 @@ def serve(step, n_params, dtype_name, dtype_line, n_embd):
         if command == "step":
             reply = step()
         elif command == "rate":  # this CPU's matmul rate now, in this dtype at the model's shape: a fresh probe
-            reply = {"rate": cpu.measure_matmul_rate(dtype, n_embd, 0.05)}
+            reply = {"rate": cpu.measure_matmul_rate(dtype, n_embd, 0.05), "sustained": sustained_rate(dtype, n_embd)}
         elif command == "profile":
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -206,6 +229,7 @@ class Worker:
 
     def __init__(self, name, cfg, script, describe, extra=()):
         self.name, self.cfg, self.describe = name, cfg, describe
+        self.sustained = []  # the sustained matmul rate probed after each pair (sustained_rate)
         env = dict(os.environ, **cfg.get("env", {}))
         flags = [a for a in sys.argv[1:] if a not in ("--ab", "--profile")]
         command = [sys.executable, os.path.abspath(script), *flags, *extra, "--worker", json.dumps(cfg)]
@@ -272,7 +296,9 @@ def measure(workers, steps, columns, ratios):
         turn = workers if i % 2 == 0 else workers[::-1]
         now = {w.name: w.ask("step") for w in turn}
         for w in workers:
-            rates[w.name].append(w.ask("rate")["rate"])
+            probe = w.ask("rate")
+            rates[w.name].append(probe["rate"])
+            w.sustained.append(probe["sustained"])
             results[w.name].append(now[w.name])
         line = f"{i + 1:4d} " + " ".join(row(now[w.name]) for w in workers) + " "
         line += " ".join(f"{cpu.rate_text(rates[w.name][-1]):>10}" for w in workers)
@@ -291,5 +317,8 @@ def print_cpu_line(threads):
 
 def print_matmul_shares(workers, mfu, rates):
     for w in workers:
+        sustained = statistics.median(w.sustained)
         print(f"{w.name}: {mfu[w.name]:.1%} of this CPU's {w.cfg['dtype']} matmul rate, "
-              f"{cpu.rate_text(max(rates[w.name]))} GFLOP/s (the fastest probe)")
+              f"{cpu.rate_text(max(rates[w.name]))} GFLOP/s (the fastest probe); "
+              f"{mfu[w.name] * max(rates[w.name]) / sustained:.1%} of its sustained rate, {cpu.rate_text(sustained)} "
+              f"GFLOP/s (the median of 1 s of products after each pair)")

@@ -3,6 +3,7 @@ the training loop does; bench/bench_train.py runs. Nothing here is timed: speed 
 and timings in tests fail at random on shared machines."""
 import glob
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -204,6 +205,13 @@ def test_bench_runs_tiny(tmp_path):
     assert "cpu: " in out and "native bf16: " in out  # the CPU every figure comes from
     assert f"of this CPU's {a_dtype} matmul rate" in out and "of this CPU's fp32 matmul rate" in out
     assert "per-pair ratios" in out and "GiB" in out and "MFU" in out
+    # each MFU also against the rate sustained over 1 s of products (a burst can make the fastest probe's too high)
+    for name in "AB":
+        share, fastest, sustained_share, sustained = re.search(
+            rf"^{name}: ([\d.]+)% of this CPU's \w+ matmul rate, ([\d.]+) GFLOP/s \(the fastest probe\); "
+            rf"([\d.]+)% of its sustained rate, ([\d.]+) GFLOP/s", out, re.M).groups()
+        assert float(sustained) > 0 and float(sustained_share) == pytest.approx(
+            float(share) * float(fastest) / float(sustained), rel=0.05, abs=0.1)
 
 
 def process_state(pid):
