@@ -12,7 +12,8 @@ A step is what train_gpt2.py does per optimizer step: --grad_accum forward+backw
 B x T tokens, gradient clipping, AdamW. It reports tokens/s; MFU, the share of this CPU's matmul
 rate that the step's FLOPs take at that speed (the rate: the fastest of the probes timed after every
 pair of steps, each a matmul of the model's shape, (M, n_embd) @ (n_embd, 4 n_embd), in the
-configuration's dtype, by plumbing.cpu); and the peak resident memory (RSS) of each process. The
+configuration's dtype, by plumbing.cpu; and, as a second line, against the median rate sustained over 1 s of
+products, which a burst cannot lift: common.sustained_rate); and the peak resident memory (RSS) of each process. The
 header names the CPU (model, vector ISA, native bf16 or not): every figure is that CPU's.
 
 --dtype auto (the default): bf16 where this CPU computes it natively and faster than fp32, else fp32
