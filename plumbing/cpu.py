@@ -175,6 +175,11 @@ MEASURE_ROUNDS = 5  # at least this many timed products per dtype, in turns acro
 # a quiet machine too: each dtype's products are judged against their highest share, or one thread's worth.
 UNDISTURBED = 0.75  # a product whose share reaches this fraction of its dtype's (just above) ran undisturbed
 LONGER = 1.0  # seconds of products a disturbed measurement may go on for
+# A product that lost its cores was off them for a scheduler time slice (Linux's least is 0.75 ms), so one that took
+# less did not. Its share then says how many threads the library woke, not how busy the machine is: on a quiet
+# Xeon with AMX, products of 0.1 ms at the demo's width ran on one thread or on two, the fastest on one, and the
+# test above took the machine for a busy one (1000 turns, "this machine is busy" on the dtype line).
+TIME_SLICE = 0.5e-3
 
 def rate_key(dtype, width):
     """The cache's key for a rate: it holds only for this CPU, vector ISA, torch, thread count, dtype and width."""
@@ -238,8 +243,8 @@ def measure_in_turns(dtypes, width, seconds=0.05, time_product=None, longer=0.0)
     def undisturbed():  # each dtype's share when undisturbed: its highest, but at least one thread's worth, once
         full = max((top[d] for d in turns), default=1.0) >= UNDISTURBED  # some product had all its threads on a CPU
         return {d: max(1 / threads, min(1.0, top[d])) if full else 1.0 for d in dtypes}  # (else none did: all)
-    def busy():  # some dtype's fastest product lost its cores for a while
-        return any(fastest[d][1] < UNDISTURBED * undisturbed()[d] for d in turns)
+    def busy():  # some dtype's fastest product lost its cores for a while (which takes at least a TIME_SLICE)
+        return any(fastest[d][1] < UNDISTURBED * undisturbed()[d] and fastest[d][0] > TIME_SLICE for d in turns)
     rounds, spent = 0, 0.0
     while turns and rounds < 1000 and (rounds < MEASURE_ROUNDS or spent < 2 * seconds or (spent < longer and busy())):
         for dtype in turns:

@@ -265,6 +265,18 @@ def test_a_product_the_library_runs_on_fewer_threads_is_not_taken_for_a_busy_mac
     assert measured.busy and fake.seconds >= cpu.LONGER
 
 
+def test_products_too_short_to_lose_their_cores_are_not_taken_for_a_busy_machine(cache, monkeypatch, two_threads):
+    # a quiet Xeon with AMX at width 128: products of ~0.1 ms, which oneDNN runs on one thread or on both; the
+    # one-thread ones (half the CPU time) are a little faster, having no partner to wake
+    def time_product(dtype, rows):
+        flops, one_thread = 2 * rows * 128 * 4 * 128, len(calls) % 2 == 0
+        calls.append(dtype)
+        return flops / ({BF16: 900e9, FP32: 220e9}[dtype] * (1.1 if one_thread else 1.0)), 0.5 if one_thread else 1.0
+    calls = []
+    measured = cpu.measure_in_turns((BF16, FP32), 128, time_product=time_product, longer=cpu.LONGER)
+    assert not measured.busy and measured.rounds < 1000  # (taken for busy, it went on to 1000 turns)
+
+
 def test_a_size_cut_short_by_a_product_that_lost_its_cores_grows_back(cache, monkeypatch, two_threads):
     # bf16's 64-row product lost its cores for 20 ms, as if 64 rows were too many to grow from: measured at 64
     # rows (a product of 20 microseconds, mostly call overhead on a real CPU), bf16's rate would be too low.
@@ -438,9 +450,11 @@ def test_one_bf16_training_step_runs_on_any_cpu(tmp_path):
 
 def test_auto_resolves_the_same_way_in_a_run_as_here(tmp_path, monkeypatch, one_thread):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    expected, _ = speedups.resolve_dtype("auto", "cpu", 32)  # on one thread, as the run below (--threads 1)
+    # at width 128, where each CPU kind's choice is clear (at 32 an AMX Xeon's bf16 is ~1.3x fp32, near the 1.25
+    # line, and two measurements could fall on either side of it)
+    expected, _ = speedups.resolve_dtype("auto", "cpu", 128)  # on one thread, as the run below (--threads 1)
     data = make_shards(tmp_path / "data")
-    out = run_train(tiny_run_args(data, tmp_path / "log", "--dtype", "auto", "--max_steps", "1",
+    out = run_train(tiny_run_args(data, tmp_path / "log", "--dtype", "auto", "--max_steps", "1", "--n_embd", "128", "--n_head", "8",
                                   "--eval_interval", "0"), env={"XDG_CACHE_HOME": str(tmp_path / "cache")}).stdout
     assert f"dtype: {expected} (" in out and f"of this CPU's {expected} matmul rate" in out
     assert expected == "fp32" or cpu.native_bf16()  # never bf16 without native support
