@@ -163,7 +163,6 @@ def describe_cpu(threads):
 # file (or one key) to start over.
 
 MEASURE_ROUNDS = 5  # at least this many timed products per dtype, in turns across the dtypes: the best counts
-
 # A busy machine. Another job on these cores takes them from torch's threads for whole scheduler time
 # slices, longer than a product takes, and a product that loses its cores runs at a fraction of this CPU's
 # rate: beside two training jobs, a start measured "bf16 0 GFLOP/s vs fp32 0" on a CPU that does 422 and
@@ -175,11 +174,8 @@ MEASURE_ROUNDS = 5  # at least this many timed products per dtype, in turns acro
 # a quiet machine too: each dtype's products are judged against their highest share, or one thread's worth.
 UNDISTURBED = 0.75  # a product whose share reaches this fraction of its dtype's (just above) ran undisturbed
 LONGER = 1.0  # seconds of products a disturbed measurement may go on for
-# A product that lost its cores was off them for a scheduler time slice (Linux's least is 0.75 ms), so one that took
-# less did not. Its share then says how many threads the library woke, not how busy the machine is: on a quiet
-# Xeon with AMX, products of 0.1 ms at the demo's width ran on one thread or on two, the fastest on one, and the
-# test above took the machine for a busy one (1000 turns, "this machine is busy" on the dtype line).
-TIME_SLICE = 0.5e-3
+# A product quicker than a time slice (Linux: 0.75 ms at least) kept its cores: a low share says it
+TIME_SLICE = 0.5e-3  # ran on fewer threads (quiet AMX Xeon, demo's width: 0.1 ms products on one thread or two)
 
 def rate_key(dtype, width):
     """The cache's key for a rate: it holds only for this CPU, vector ISA, torch, thread count, dtype and width."""
@@ -236,9 +232,8 @@ def measure_in_turns(dtypes, width, seconds=0.05, time_product=None, longer=0.0)
         timed(dtype)
         while grows(dtype):
             timed(dtype)
-    # a dtype so slow that 16 rows take over `seconds` of CPU time (PyTorch's bf16 fallback, ~100x slower) is not
-    # timed again: a second look would cost seconds at GPT-2 XL's width and tell nothing new. CPU time, as a product
-    # that lost its cores may take 50 ms for 20 microseconds of work: that one is timed again, in turns.
+    # a dtype so slow that 16 rows take over `seconds` of CPU time (the bf16 fallback) is not timed again (seconds
+    # at XL's width); CPU time, as a product that lost its cores may take 50 ms for 20 us of work (it is retimed)
     turns = [d for d in dtypes if rows[d] > 16 or fastest[d][0] * fastest[d][1] * threads <= seconds]
     def undisturbed():  # each dtype's share when undisturbed: its highest, but at least one thread's worth, once
         full = max((top[d] for d in turns), default=1.0) >= UNDISTURBED  # some product had all its threads on a CPU
