@@ -14,27 +14,8 @@ between the first and the last stage), so they stay equal, and gradient clipping
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
-SCHEDULES = ("1f1b", "gpipe")
-
-def check_layout(args, world_size):
-    """One error line for a layout that cannot run, before anything expensive. Returns the data-parallel size."""
-    pp = args.pp
-    if pp < 1 or world_size % pp:
-        raise SystemExit(f"error: --pp {pp}: the world size {world_size} is not a multiple of the stage count "
-                         f"(world = data-parallel replicas x pipeline stages)")
-    if pp > args.n_layer and args.init_from == "scratch" and not args.resume:
-        raise SystemExit(f"error: --pp {pp}: more stages than the model's {args.n_layer} blocks (--n_layer)")
-    if pp > 1 and args.shard != "none" or pp > 1 and args.lora:
-        raise SystemExit(f"error: --pp {pp} runs with --shard none and without --lora (not yet combined)")
-    dp = world_size // pp
-    steps = args.total_batch_size // max(args.batch_size * args.seq_len * dp, 1)
-    if pp > 1 and args.pp_schedule == "1f1b" and steps < pp:
-        raise SystemExit(f"error: --pp {pp} --pp_schedule 1f1b needs at least {pp} micro-batches a step, and "
-                         f"--total_batch_size {args.total_batch_size} gives {steps} (--batch_size {args.batch_size} x "
-                         f"--seq_len {args.seq_len} x {dp} replica(s)): raise it, or use --pp_schedule gpipe")
-    return dp
+from plumbing.stage_split import Stage, plan_line, split_blocks, stage_costs
 
 def replica_ranks(ranks, pp):
     """This rank as the data loader sees it: its data-parallel replica among the replicas (every stage of a replica
@@ -44,75 +25,6 @@ def replica_ranks(ranks, pp):
     if not ranks.master:
         replica.print0 = lambda *a, **k: None
     return replica
-
-# -----------------------------------------------------------------------------
-# Cutting the model: contiguous runs of blocks, balanced by their compute
-
-def stage_costs(config, seq_len):
-    """Forward FLOPs per token: (a block's, lm_head's with its loss). A block: its four matmuls (24 C^2) and attention
-    (4 T C, as if not causal: the kernel's work). The embeddings are lookups: no FLOPs, but they are the first stage's."""
-    C = config.n_embd
-    return 24 * C * C + 4 * seq_len * C, 2 * config.vocab_size * C
-
-def split_blocks(n_layer, n_stages, block_cost, head_cost):
-    """[(first block, end)] for each stage: contiguous, at least one block each, the largest stage cost (its blocks,
-    plus lm_head's for the last) as small as it can be. Exact, by dynamic programming over the cut points."""
-    if n_stages > n_layer:
-        raise SystemExit(f"error: --pp {n_stages}: more stages than the model's {n_layer} blocks")
-    INF = float("inf")
-    best = [[INF] * (n_layer + 1) for _ in range(n_stages + 1)]  # best[s][b]: s stages over blocks 0..b-1
-    cut = [[0] * (n_layer + 1) for _ in range(n_stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, n_stages + 1):
-        extra = head_cost if s == n_stages else 0.0
-        for b in range(s, n_layer + 1):
-            for a in range(s - 1, b):
-                cost = max(best[s - 1][a], (b - a) * block_cost + extra)
-                if cost < best[s][b]:
-                    best[s][b], cut[s][b] = cost, a
-    bounds, b = [], n_layer
-    for s in range(n_stages, 0, -1):
-        bounds.append((cut[s][b], b))
-        b = cut[s][b]
-    return bounds[::-1]
-
-class Stage(nn.Module):
-    """One stage of a GPT: the GPT itself with what other stages hold removed (their blocks become Identity, so the
-    parameters keep the whole model's names, as checkpoints have them). Inputs: token ids (first stage) or the
-    residual stream (B, T, C); output: the residual stream, after ln_f on the last stage."""
-
-    def __init__(self, gpt, index, n_stages, blocks, dtype="fp32", device_type="cpu"):
-        super().__init__()
-        from plumbing import speedups  # the run's autocast, made afresh for each forward (the schedule runs them)
-        self.autocast = lambda: speedups.autocast(dtype, device_type)
-        self.first, self.last, self.blocks = index == 0, index == n_stages - 1, range(*blocks)
-        for i in range(len(gpt.transformer.h)):
-            if i not in self.blocks:
-                gpt.transformer.h[i] = nn.Identity()
-        if not self.first:
-            del gpt.transformer["wte"], gpt.transformer["wpe"]
-        if not self.last:
-            del gpt.transformer["ln_f"]
-            gpt.lm_head = None
-        self.gpt = gpt
-
-    def forward(self, x, side=None):
-        with self.autocast():
-            return self.layers(x, side.packed if side is not None else None)
-
-    def layers(self, x, packed):
-        t = self.gpt.transformer
-        if self.first:
-            T = x.size(1)
-            positions = packed.positions if packed is not None else torch.arange(T, device=x.device)
-            x = t.wte(x) + t.wpe(positions)
-        lengths = packed.lengths if packed is not None else None
-        for layer in self.blocks:
-            if self.gpt.recompute:  # as GPT.hidden does: keep only the block's input for backward
-                x = torch.utils.checkpoint.checkpoint(t.h[layer], x, None, layer, None, lengths, use_reentrant=False)
-            else:
-                x = t.h[layer](x, None, layer, None, lengths)
-        return t.ln_f(x) if self.last else x
 
 class Side:
     """A micro-batch's packing (dataloader.Packed, or None), handed to every stage beside its input. Wrapped so that
@@ -126,7 +38,6 @@ class Target:
 
     def __init__(self, y, packed, weight):
         self.y, self.packed, self.weight = y, packed, weight
-
 # -----------------------------------------------------------------------------
 # The pipeline: this rank's stage, its groups, its schedule
 
@@ -314,35 +225,3 @@ class Pipeline:
             if not torch.equal(weights["transformer.wte.weight"], weights["lm_head.weight"]):
                 raise SystemExit("error: the tied weight's copies (wte on the first stage, lm_head on the last) differ")
             print(f"parameter sha256 (all {ranks.world_size} rank(s)): {world.state_digest(weights)}", flush=True)
-
-# -----------------------------------------------------------------------------
-# What each stage holds and sends, computed
-
-def stage_plan(config, bounds, batch, seq_len, n_microbatches, dp):
-    """[(what it holds, its parameters, bytes each of its ranks sends a step)] per stage. Parameters: a block's
-    12 C^2 + 13 C, the embeddings' (V + block_size) C on the first stage, ln_f's 2 C and lm_head's copy of wte, V C, on
-    the last. Sent: an fp32 activation (B, T, C) a micro-batch to the next stage, its gradient to the one before; the
-    tied gradient to the other end (a 2-rank all-reduce sends it once); DDP's ring all-reduce of the stage's gradients
-    (2 (dp-1)/dp of them)."""
-    C, V, pp = config.n_embd, config.vocab_size, len(bounds)
-    activation = batch * seq_len * C * 4 * n_microbatches
-    plan = []
-    for s, (a, b) in enumerate(bounds):
-        first, last = s == 0, s == pp - 1
-        params = (b - a) * (12 * C * C + 13 * C) + first * (V + config.block_size) * C + last * (2 * C + V * C)
-        sent = (not last) * activation + (not first) * activation + (pp > 1 and (first or last)) * V * C * 4
-        sent += 2 * (dp - 1) / dp * params * 4
-        what = ("embeddings + " if first else "") + f"blocks {a}-{b - 1}" + (" + ln_f, lm_head" if last else "")
-        plan.append((what, params, sent))
-    return plan
-
-def plan_line(pipe, schedule):
-    """The pipeline's plan: the layout, its bubble, and per stage its blocks, memory and bytes sent a step."""
-    M, N = pipe.n_microbatches, pipe.pp
-    lines = [f"pipeline: {N} stages x {pipe.dp} data-parallel replica(s), schedule {schedule}, {M} micro-batches a "
-             f"step: bubble (N-1)/(M+N-1) = {(N - 1) / (M + N - 1):.1%}"]
-    plan = stage_plan(pipe.config, pipe.bounds, pipe.batch, pipe.seq_len, M, pipe.dp)
-    for s, (what, params, sent) in enumerate(plan):
-        lines.append(f"  stage {s}: {what}: {params / 1e6:.2f}M parameters, {16 * params / 2**30:.3f} GiB of "
-                     f"weights, gradients and AdamW state; each of its ranks sends {sent / 1e6:.1f} MB a step")
-    return "\n".join(lines)

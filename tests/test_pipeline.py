@@ -16,7 +16,7 @@ import pytest
 import train_gpt2
 from conftest import (LIMIT, REPO, clean_env, final_weights_diff, make_shards, printed_norms, read_log, run_launched,
                       run_train, tiny_run_args, torchrun)
-from plumbing import pipeline
+from plumbing import stage_split
 from test_distributed import assert_same_run
 
 pytestmark = pytest.mark.xdist_group("multiprocess")
@@ -121,11 +121,11 @@ def test_sharded_checkpoint_resumes_on_dp2_x_pp2(data, single, tmp_path):
 def test_split_balances_compute():
     """Contiguous runs of at least one block each, the largest stage cost as small as it can be: lm_head (here worth
     3 blocks) pushes blocks toward the first stages."""
-    assert pipeline.split_blocks(12, 3, 1.0, 3.0) == [(0, 5), (5, 10), (10, 12)]
-    assert pipeline.split_blocks(4, 3, 1.0, 0.0) in ([(0, 2), (2, 3), (3, 4)], [(0, 1), (1, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)])
-    assert pipeline.split_blocks(4, 4, 1.0, 100.0) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert stage_split.split_blocks(12, 3, 1.0, 3.0) == [(0, 5), (5, 10), (10, 12)]
+    assert stage_split.split_blocks(4, 3, 1.0, 0.0) in ([(0, 2), (2, 3), (3, 4)], [(0, 1), (1, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)])
+    assert stage_split.split_blocks(4, 4, 1.0, 100.0) == [(0, 1), (1, 2), (2, 3), (3, 4)]
     config = train_gpt2.GPTConfig(n_layer=12, n_embd=768, vocab_size=50304)
-    bounds = pipeline.split_blocks(12, 3, *pipeline.stage_costs(config, 1024))
+    bounds = stage_split.split_blocks(12, 3, *stage_split.stage_costs(config, 1024))
     # GPT-2 (124M): lm_head costs about 4.5 blocks, so the last stage gets 1 (cost 5.5), the others 5 and 6
     assert [b - a for a, b in bounds] in ([5, 6, 1], [6, 5, 1])
 
