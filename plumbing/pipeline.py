@@ -5,7 +5,8 @@ Between two stages travels one activation tensor per micro-batch forward, and it
 too big for one node, over slow links, far fewer bytes than FSDP's gathering of every weight (docs/parallel.md).
 
 One device mesh, (dp, pp): rank r is stage r % pp of data-parallel replica r // pp. The stages of one replica read
-the same micro-batches; a stage's replicas average their gradients with DDP (--shard none).
+the same micro-batches; a stage's replicas average their gradients with DDP (--shard none), or hold 1/dp of the
+stage each and gather it as FSDP does (--shard full: ZeRO-3, --shard grads: ZeRO-2; see shard_stage).
 
 The model is openly GPT: the first stage holds the embeddings, the last ln_f and lm_head, whose weight is wte's
 (tied). Each of the two keeps its copy; after every step the two copies' gradients are summed (one all-reduce
@@ -15,7 +16,7 @@ between the first and the last stage), so they stay equal, and gradient clipping
 import torch
 import torch.distributed as dist
 
-from plumbing.stage_split import Stage, plan_line, split_blocks, stage_costs
+from plumbing.stage_split import Side, Stage, Target, plan_line, split_blocks, stage_costs
 
 def replica_ranks(ranks, pp):
     """This rank as the data loader sees it: its data-parallel replica among the replicas (every stage of a replica
@@ -26,18 +27,35 @@ def replica_ranks(ranks, pp):
         replica.print0 = lambda *a, **k: None
     return replica
 
-class Side:
-    """A micro-batch's packing (dataloader.Packed, or None), handed to every stage beside its input. Wrapped so that
-    the pipeline's schedules pass it through untouched, not as tensors to send or to differentiate."""
+def local(t):
+    """A sharded tensor's piece on this rank (a DTensor's local part); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+    return t.to_local() if isinstance(t, DTensor) else t
 
-    def __init__(self, packed):
-        self.packed = packed
+def whole(t):
+    """A sharded tensor gathered whole (every rank of its mesh calls it); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
-class Target:
-    """What the last stage's loss needs of a micro-batch: its targets, its packing, and its weight in the step's mean."""
+def shard_stage(stage, mesh, shard, bf16):
+    """FSDP2 within a stage, over its dp replicas (mesh): each of the stage's blocks is a unit, the stage itself (its
+    embeddings, or ln_f and lm_head) the root, as sharding.shard_model does for a whole GPT. --shard grads keeps a
+    unit's weights gathered after its forward; the schedule keeps them after every backward but the step's last
+    (PipelineStage does, for FSDP), then reduce-scatters the gradients once."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    for i in stage.blocks:
+        fully_shard(stage.gpt.transformer.h[i], mesh=mesh, mp_policy=policy, reshard_after_forward=shard == "full")
+    fully_shard(stage, mesh=mesh, mp_policy=policy, reshard_after_forward=shard == "full")
 
-    def __init__(self, y, packed, weight):
-        self.y, self.packed, self.weight = y, packed, weight
+def piece(value, param):
+    """A moment of AdamW's state, whole, as param holds it: sharded, this rank's piece (no traffic: every rank has the
+    whole value); else as it is."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    if isinstance(param, DTensor) and torch.is_tensor(value) and value.shape == param.shape:
+        return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+    return value
+
 # -----------------------------------------------------------------------------
 # The pipeline: this rank's stage, its groups, its schedule
 
@@ -61,31 +79,28 @@ class Pipeline:
         self.bounds = split_blocks(model.config.n_layer, self.pp, block_cost, head_cost)
         self.stage = Stage(model, self.index, self.pp, self.bounds[self.index], dtype, device_type)
         self.first, self.last = self.stage.first, self.stage.last
+        self.shard = args.shard if self.dp > 1 else "none"  # (one replica: nothing to split)
+        self.bf16, self.backend = dtype == "bf16", dist.get_backend()
         trained = self.stage
-        if self.dp > 1:  # each stage's replicas average its gradients (the schedule asks for it at the last micro-batch)
+        if self.shard != "none":  # (sharded in place: the optimizer made after this holds the pieces)
+            shard_stage(self.stage, mesh["dp"], self.shard, self.bf16)
+        elif self.dp > 1:  # each stage's replicas average its gradients (the schedule asks for it at the last micro-batch)
             from torch.nn.parallel import DistributedDataParallel as DDP
             trained = DDP(self.stage, process_group=self.dp_group)
         # the shapes that travel, given (static mode): else the schedule would infer them by running a first
         # micro-batch through a copy of the loss with its target as a tensor, which ours (Target) is not
         B, T, C = args.batch_size, args.seq_len, model.config.n_embd
         stream = torch.empty(B, T, C, device="meta", requires_grad=True)  # the residual stream: fp32 also under autocast
+        loss = torch.empty((), device="meta", requires_grad=True)  # the last stage's output
         self.pipe_stage = PipelineStage(trained, self.index, self.pp, torch.device(ranks.device), group=self.pp_group,
                                         input_args=torch.empty(B, T, dtype=torch.long, device="meta") if self.first
-                                        else stream, output_args=stream)
+                                        else stream, output_args=loss if self.last else stream)
         schedule = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[args.pp_schedule]
-        # scale_grads=False: each micro-batch's loss already carries its weight in the step's mean (loss below)
-        self.schedule = schedule(self.pipe_stage, n_microbatches, loss_fn=self.loss, scale_grads=False)
+        # scale_grads=False: each micro-batch's loss already carries its weight in the step's mean (Stage.loss);
+        # the last stage's output is that loss (computed in its forward, where FSDP has lm_head gathered)
+        self.schedule = schedule(self.pipe_stage, n_microbatches, loss_fn=lambda loss, _: loss, scale_grads=False)
         self.n_microbatches, self.batch, self.seq_len = n_microbatches, args.batch_size, args.seq_len
         print0(plan_line(self, args.pp_schedule))
-
-    def loss(self, h, target):
-        """The last stage's loss of one micro-batch, as GPT.forward computes it, times its weight in the step."""
-        from plumbing.fused_loss import lm_head_loss
-        y, packed = target.y, target.packed
-        if packed is not None:  # only the targets' positions through lm_head
-            h, y = h.flatten(0, 1)[packed.picked], y.flatten()[packed.picked]
-        with self.stage.autocast():  # (lm_head's matmuls in the run's dtype, as GPT.forward under autocast)
-            return lm_head_loss(h, self.stage.gpt.lm_head.weight, y) * target.weight
 
     def step(self, batches, n_targets, max_norm):
         """One optimizer step's gradients, summed over its micro-batches (batches: [(x, y, packed)], the same on every
@@ -95,8 +110,9 @@ class Pipeline:
         weights = [1 / len(batches) if n_targets is None else int((y != IGNORE).sum()) * self.dp / max(n_targets, 1)
                    for _, y, _ in batches]
         args = [(x,) for x, _, _ in batches] if self.first else None
-        kwargs = [{"side": Side(packed)} for _, _, packed in batches]
-        targets = [Target(y, packed, w) for (_, y, packed), w in zip(batches, weights)] if self.last else None
+        kwargs = [{"side": Side(packed, Target(y, packed, w) if self.last else None)}
+                  for (_, y, packed), w in zip(batches, weights)]
+        targets = [None] * len(batches) if self.last else None  # (the targets travel in the side, to the forward)
         losses = [] if self.last else None
         # what schedule.step() does before its _step_microbatches, which takes the micro-batches as we already have
         # them: step() would cut one batch into equal chunks, and a packed micro-batch's lengths do not cut that way
@@ -113,16 +129,18 @@ class Pipeline:
         copies' gradients, and both copies get it, so both take the same AdamW step and stay equal."""
         if self.pp > 1 and (self.first or self.last):
             gpt = self.stage.gpt
-            dist.all_reduce((gpt.transformer.wte if self.first else gpt.lm_head).weight.grad, group=self.tied_group)
+            grad = (gpt.transformer.wte if self.first else gpt.lm_head).weight.grad  # sharded: the same piece at both ends
+            dist.all_reduce(local(grad), group=self.tied_group)
 
     def clip(self, max_norm):
         """torch.nn.utils.clip_grad_norm_ over the whole model: the global norm sums every stage's squares, counting the
-        tied weight once (the first stage's copy); every stage scales its gradients by the same factor."""
-        grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
-        counted = [p.grad for n, p in self.stage.named_parameters()
+        tied weight once (the first stage's copy); every stage scales its gradients by the same factor. Sharded, each
+        rank squares its pieces and the sum runs over every rank (replicas hold different pieces, not copies)."""
+        grads = [local(p.grad) for p in self.stage.parameters() if p.grad is not None]
+        counted = [local(p.grad) for n, p in self.stage.named_parameters()
                    if p.grad is not None and not (n == "gpt.lm_head.weight" and not self.first)]
         squares = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in counted]).sum()
-        dist.all_reduce(squares, group=self.pp_group)
+        dist.all_reduce(squares, group=self.pp_group if self.shard == "none" else None)
         norm = squares.sqrt()
         torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
         return norm
@@ -131,7 +149,7 @@ class Pipeline:
     def __call__(self, x, y, packed=None):
         """(None, the loss of one batch) on every stage of the replica, as GPT.forward returns it: the activations
         go from stage to stage (no schedule: evaluation has no backward to overlap), the last stage's loss comes back."""
-        side = Side(packed)
+        side = Side(packed, Target(y, packed, 1.0) if self.last else None)
         if self.first:
             h = self.stage(x, side)
         else:
@@ -142,7 +160,7 @@ class Pipeline:
             dist.send(h.float().contiguous(), dst=self.first_rank + self.index + 1)
             loss = torch.zeros((), device=x.device)
         else:
-            loss = self.loss(h, Target(y, packed, 1.0)).float()
+            loss = h.detach()
         dist.broadcast(loss, src=self.last_rank, group=self.pp_group)
         return None, loss
 
@@ -161,13 +179,13 @@ class Pipeline:
 
     def full_state(self, optimizer=None):
         """(the whole model's state_dict, AdamW's state_dict numbered as one process numbers it, or None) on rank 0,
-        (None, None) elsewhere. Every rank calls it: replica 0's stages send their parts to rank 0."""
-        part = None
-        if self.replica == 0:
-            weights = {k.removeprefix("gpt."): v for k, v in self.stage.state_dict().items()}
-            names = self.optimizer_names(self.stage.gpt)
-            moments = {names[i]: s for i, s in optimizer.state_dict()["state"].items()} if optimizer else None
-            part = (weights, moments)
+        (None, None) elsewhere. Every rank calls it: replica 0's stages send their parts to rank 0 (sharded, each
+        stage's replicas first gather its tensors whole)."""
+        weights = {k.removeprefix("gpt."): whole(v) for k, v in self.stage.state_dict().items()}
+        names = self.optimizer_names(self.stage.gpt)
+        moments = {names[i]: {k: whole(v) for k, v in s.items()}
+                   for i, s in optimizer.state_dict()["state"].items()} if optimizer else None
+        part = (weights, moments) if self.replica == 0 else None
         parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(part, parts, dst=0)
         if parts is None:
@@ -193,7 +211,9 @@ class Pipeline:
         groups = []
         for group, full_group in zip(ours, full["param_groups"]):
             groups.append({**{k: v for k, v in full_group.items() if k != "params"}, "params": group["params"]})
-        state = {i: full["state"][whole[n]] for i, n in enumerate(mine) if whole[n] in full["state"]}
+        params = dict(self.stage.gpt.named_parameters())
+        state = {i: {k: piece(v, params[n]) for k, v in full["state"][whole[n]].items()}
+                 for i, n in enumerate(mine) if whole[n] in full["state"]}
         optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def load_sharded(self, path, optimizer):
@@ -215,7 +235,7 @@ class Pipeline:
         same weights, the tied weight's two copies are equal, and rank 0 prints the whole model's digest (the one a
         single process with the same weights prints)."""
         from plumbing import world
-        digest = world.state_digest({k: v for k, v in self.stage.state_dict().items()})
+        digest = world.state_digest({k: whole(v) for k, v in self.stage.state_dict().items()})  # (sharded: whole)
         digests = [None] * self.dp
         dist.all_gather_object(digests, digest, group=self.dp_group)
         weights, _ = self.full_state()

@@ -20,8 +20,8 @@ def check_layout(args, world_size):
                          f"(world = data-parallel replicas x pipeline stages)")
     if pp > args.n_layer and args.init_from == "scratch" and not args.resume:
         raise SystemExit(f"error: --pp {pp}: more stages than the model's {args.n_layer} blocks (--n_layer)")
-    if pp > 1 and args.shard != "none" or pp > 1 and args.lora:
-        raise SystemExit(f"error: --pp {pp} runs with --shard none and without --lora (not yet combined)")
+    if pp > 1 and args.lora:
+        raise SystemExit(f"error: --pp {pp} runs without --lora (not yet combined)")
     dp = world_size // pp
     steps = args.total_batch_size // max(args.batch_size * args.seq_len * dp, 1)
     if pp > 1 and args.pp_schedule == "1f1b" and steps < pp:
@@ -64,7 +64,8 @@ def split_blocks(n_layer, n_stages, block_cost, head_cost):
 class Stage(nn.Module):
     """One stage of a GPT: the GPT itself with what other stages hold removed (their blocks become Identity, so the
     parameters keep the whole model's names, as checkpoints have them). Inputs: token ids (first stage) or the
-    residual stream (B, T, C); output: the residual stream, after ln_f on the last stage."""
+    residual stream (B, T, C); output: the residual stream, or on the last stage the micro-batch's loss when its side
+    carries a Target. The loss is inside forward so that lm_head's weight is used where FSDP has gathered it."""
 
     def __init__(self, gpt, index, n_stages, blocks, dtype="fp32", device_type="cpu"):
         super().__init__()
@@ -83,7 +84,16 @@ class Stage(nn.Module):
 
     def forward(self, x, side=None):
         with self.autocast():
-            return self.layers(x, side.packed if side is not None else None)
+            h = self.layers(x, side.packed if side is not None else None)
+            return self.loss(h, side.target) if self.last and side is not None and side.target else h
+
+    def loss(self, h, target):
+        """The last stage's loss of one micro-batch, as GPT.forward computes it, times its weight in the step."""
+        from plumbing.fused_loss import lm_head_loss
+        y, packed = target.y, target.packed
+        if packed is not None:  # only the targets' positions through lm_head
+            h, y = h.flatten(0, 1)[packed.picked], y.flatten()[packed.picked]
+        return (lm_head_loss(h, self.gpt.lm_head.weight, y) * target.weight).float()
 
     def layers(self, x, packed):
         t = self.gpt.transformer
@@ -99,34 +109,62 @@ class Stage(nn.Module):
                 x = t.h[layer](x, None, layer, None, lengths)
         return t.ln_f(x) if self.last else x
 
+class Side:
+    """A micro-batch's packing (dataloader.Packed, or None) and, for the last stage, its Target, handed to every stage
+    beside its input. Wrapped so that the pipeline's schedules pass it through untouched, not as tensors to send or
+    to differentiate."""
+
+    def __init__(self, packed, target=None):
+        self.packed, self.target = packed, target
+
+class Target:
+    """What the last stage's loss needs of a micro-batch: its targets, its packing, and its weight in the step's mean."""
+
+    def __init__(self, y, packed, weight):
+        self.y, self.packed, self.weight = y, packed, weight
+
 # -----------------------------------------------------------------------------
 # What each stage holds and sends, computed
 
-def stage_plan(config, bounds, batch, seq_len, n_microbatches, dp):
+def stage_plan(config, bounds, batch, seq_len, n_microbatches, dp, shard="none", bf16=False, backend="gloo"):
     """[(what it holds, its parameters, bytes each of its ranks sends a step)] per stage. Parameters: a block's
     12 C^2 + 13 C, the embeddings' (V + block_size) C on the first stage, ln_f's 2 C and lm_head's copy of wte, V C, on
     the last. Sent: an fp32 activation (B, T, C) a micro-batch to the next stage, its gradient to the one before; the
-    tied gradient to the other end (a 2-rank all-reduce sends it once); DDP's ring all-reduce of the stage's gradients
-    (2 (dp-1)/dp of them)."""
+    tied gradient to the other end (a 2-rank all-reduce sends it once; sharded, each rank's 1/dp piece of it); and
+    among the stage's dp ranks what sharding.bytes_sent computes for the stage's parameters: DDP's ring all-reduce,
+    or FSDP's gathers and reduce-scatter. Under the schedule, --shard full gathers a unit's weights M + 1 times a step,
+    not 2 M: the pipeline keeps a unit gathered after each backward (torch's PipelineStage), so of the forwards only
+    those after another forward gather, and of the backwards only those after a forward: for 1F1B and GPipe alike,
+    every forward and then the first backward."""
+    from plumbing.sharding import bytes_sent
     C, V, pp = config.n_embd, config.vocab_size, len(bounds)
     activation = batch * seq_len * C * 4 * n_microbatches
+    gathers = {"none": None, "full": n_microbatches + 1, "grads": 1}[shard]
     plan = []
     for s, (a, b) in enumerate(bounds):
         first, last = s == 0, s == pp - 1
         params = (b - a) * (12 * C * C + 13 * C) + first * (V + config.block_size) * C + last * (2 * C + V * C)
-        sent = (not last) * activation + (not first) * activation + (pp > 1 and (first or last)) * V * C * 4
-        sent += 2 * (dp - 1) / dp * params * 4
+        tied = (pp > 1 and (first or last)) * V * C * 4 / (dp if shard != "none" else 1)
+        sent = (not last) * activation + (not first) * activation + tied
+        sent += bytes_sent(params, params, dp, shard, n_microbatches, bf16, backend, gathers) if dp > 1 else 0
         what = ("embeddings + " if first else "") + f"blocks {a}-{b - 1}" + (" + ln_f, lm_head" if last else "")
         plan.append((what, params, sent))
     return plan
 
 def plan_line(pipe, schedule):
-    """The pipeline's plan: the layout, its bubble, and per stage its blocks, memory and bytes sent a step."""
+    """The pipeline's plan: the layout, its bubble, and per stage its blocks, memory and bytes sent a step. Sharded
+    (--shard, dp > 1), a rank holds 1/dp of its stage's weights, gradients and AdamW state, and gathers the rest:
+    a block at a time (full), or all of the stage's weights for the whole step (grads)."""
     M, N = pipe.n_microbatches, pipe.pp
-    lines = [f"pipeline: {N} stages x {pipe.dp} data-parallel replica(s), schedule {schedule}, {M} micro-batches a "
-             f"step: bubble (N-1)/(M+N-1) = {(N - 1) / (M + N - 1):.1%}"]
-    plan = stage_plan(pipe.config, pipe.bounds, pipe.batch, pipe.seq_len, M, pipe.dp)
+    how = f", each stage sharded over its replicas (--shard {pipe.shard})" if pipe.shard != "none" else ""
+    lines = [f"pipeline: {N} stages x {pipe.dp} data-parallel replica(s){how}, schedule {schedule}, {M} micro-batches "
+             f"a step: bubble (N-1)/(M+N-1) = {(N - 1) / (M + N - 1):.1%}"]
+    plan = stage_plan(pipe.config, pipe.bounds, pipe.batch, pipe.seq_len, M, pipe.dp, pipe.shard, pipe.bf16, pipe.backend)
+    share = pipe.dp if pipe.shard != "none" else 1
     for s, (what, params, sent) in enumerate(plan):
-        lines.append(f"  stage {s}: {what}: {params / 1e6:.2f}M parameters, {16 * params / 2**30:.3f} GiB of "
-                     f"weights, gradients and AdamW state; each of its ranks sends {sent / 1e6:.1f} MB a step")
+        gathered = {"none": "", "full": " (+ a block's weights gathered at a time)",
+                    "grads": f" (+ {4 * params / 2**30:.3f} GiB: its weights gathered for the step)"}[pipe.shard]
+        lines.append(f"  stage {s}: {what}: {params / 1e6:.2f}M parameters, {16 * params / share / 2**30:.3f} GiB of "
+                     f"weights, gradients and AdamW state a rank{gathered}; each of its ranks sends {sent / 1e6:.1f} "
+                     f"MB a step")
     return "\n".join(lines)

@@ -44,14 +44,26 @@ def pp2(data, tmp_path_factory):
     return log_dir, run_launched(tiny_run_args(data, log_dir, *EQUAL, "--pp", "2"), torchrun(2), clean_env())
 
 
+@pytest.fixture(scope="module")
+def pp2_full(data, tmp_path_factory):
+    """2 replicas x 2 stages, each stage sharded over its replicas (FSDP, ZeRO-3)."""
+    log_dir = tmp_path_factory.mktemp("pp2_full") / "log"
+    return log_dir, run_launched(tiny_run_args(data, log_dir, *EQUAL, "--pp", "2", "--shard", "full"), torchrun(4),
+                                 clean_env())
+
+
 @pytest.mark.parametrize("ranks,flags", [(2, ["--pp", "2"]), (3, ["--pp", "3"]), (2, ["--pp", "2", "--pp_schedule", "gpipe"]),
-                                         (4, ["--pp", "2"])], ids=["pp2", "pp3", "pp2-gpipe", "dp2xpp2"])
-def test_pipeline_equals_one_process(data, single, pp2, tmp_path, ranks, flags):
+                                         (4, ["--pp", "2"]), (4, ["--pp", "2", "--shard", "full"]),
+                                         (4, ["--pp", "2", "--shard", "grads", "--pp_schedule", "gpipe"])],
+                         ids=["pp2", "pp3", "pp2-gpipe", "dp2xpp2", "dp2xpp2-full", "dp2xpp2-grads-gpipe"])
+def test_pipeline_equals_one_process(data, single, pp2, pp2_full, tmp_path, ranks, flags):
     """The losses of 6 steps, the val losses, the gradient norms (clipping's: the tied weight counted once) and the
     final weights of one process, on every layout; the run's own end check has found the replicas of each stage
     and the tied weight's two copies equal (it stops the run otherwise)."""
     if flags == ["--pp", "2"] and ranks == 2:
         log_dir, proc = pp2
+    elif "full" in flags:
+        log_dir, proc = pp2_full
     else:
         log_dir = tmp_path / "log"
         proc = run_launched(tiny_run_args(data, log_dir, *EQUAL, *flags), torchrun(ranks), clean_env())
@@ -90,6 +102,18 @@ def test_checkpoints_cross_layouts(data, single, pp2, tmp_path):
     sample = subprocess.run([sys.executable, "sample.py", "--ckpt_path", str(pp2[0] / "model_00006.pt"), "--max_new_tokens",
                              "4", "--num_samples", "1"], cwd=REPO, capture_output=True, text=True, env=clean_env())
     assert sample.returncode == 0, sample.stderr
+
+
+def test_sharded_stages_checkpoint_resumes_on_one_process(single, pp2_full, tmp_path):
+    """Stages sharded over their replicas gather their weights and AdamW moments whole for rank 0's one-process .pt:
+    it resumes on one process and continues the uninterrupted run."""
+    assert "model_00003.pt" in os.listdir(pp2_full[0]) and "each stage sharded over its replicas" in pp2_full[1].stdout
+    to_one = stopped_after_step_3(pp2_full[0], tmp_path / "to_one")
+    proc = run_train(["--resume", "--log_dir", to_one], env=clean_env(), timeout=LIMIT)
+    assert "model_00003.pt at step 3" in proc.stdout and "pipeline:" not in proc.stdout
+    assert sorted(read_log(to_one, "train")) == [0, 1, 2, 3, 4, 5]
+    assert_same_run(single[0], to_one)
+    assert final_weights_diff(single[0], to_one) <= TOL
 
 
 def test_ddp_checkpoint_resumes_on_a_pipeline(data, single, tmp_path):
@@ -172,3 +196,65 @@ def test_pipeline_in_bf16_equals_one_process_in_bf16(data, tmp_path):
     assert "--dtype bf16" in pp.stdout and "pipeline: 2 stages" in pp.stdout  # (its line, or its warning where slow)
     ref, got = read_log(tmp_path / "one", "train"), read_log(tmp_path / "pp", "train")
     assert sorted(got) == sorted(ref) == [0, 1, 2] and max(abs(ref[s] - got[s]) for s in ref) <= TOL, (ref, got)
+
+
+TRAFFIC = r'''
+import json, sys
+from types import SimpleNamespace
+sys.path.insert(0, sys.argv[1])
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from train_gpt2 import GPT, GPTConfig
+from plumbing import pipeline, stage_split
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+config = GPTConfig(block_size=16, vocab_size=128, n_layer=2, n_head=2, n_embd=8)
+seen = []
+class Record(TorchDispatchMode):  # every collective the step makes, with the bytes of its (first) tensor argument
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "c10d" in str(func):
+            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            seen.append([str(func), sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))])
+        return func(*args, **(kwargs or {}))
+out = {}
+for shard in ("full", "grads"):
+    torch.manual_seed(0)
+    pipe = pipeline.Pipeline(GPT(config), SimpleNamespace(pp=2, shard=shard, batch_size=2, seq_len=16, pp_schedule="1f1b"),
+                             SimpleNamespace(world_size=4, rank=dist.get_rank(), device="cpu"), 3, lambda *a: None)
+    x = torch.randint(0, 128, (2, 16))
+    seen.clear()
+    with Record():
+        pipe.step([(x, x, None)] * 3, None, 1.0)
+    plan = stage_split.stage_plan(config, pipe.bounds, 2, 16, 3, 2, shard)[pipe.index][2]
+    out[shard] = {"seen": list(seen), "plan": plan}
+everything = [None] * 4
+dist.all_gather_object(everything, out)
+if dist.get_rank() == 0:
+    print(json.dumps(everything))
+dist.destroy_process_group()
+'''
+
+
+def test_sharded_stage_traffic_is_the_plan_lines(tmp_path):
+    """What 2 replicas x 2 stages send in a step of 3 micro-batches (1F1B), recorded on each rank: with each stage
+    sharded (full), every unit (a block; the stage's own embeddings or ln_f + lm_head) all-gathered M + 1 = 4 times, not
+    2 M (the schedule keeps a unit gathered after a backward), with --shard grads once; the gradients reduce-scattered
+    once; and the bytes of it all (a ring all-gather sends half the whole tensor on 2 ranks; gloo's reduce-scatter
+    twice its piece; the tied gradient's piece once; the activations and their gradients) are the plan line's."""
+    import json
+    script = tmp_path / "traffic.py"
+    script.write_text(TRAFFIC)
+    proc = subprocess.run([*torchrun(4), str(script), REPO], capture_output=True, text=True, env=clean_env(), cwd=REPO,
+                          timeout=LIMIT)
+    assert proc.returncode == 0, proc.stderr
+    for rank, out in enumerate(json.loads(proc.stdout.strip().splitlines()[-1])):
+        for shard, got in out.items():
+            gathers = sorted(b for f, b in got["seen"] if "allgather" in f)
+            units = sorted(set(gathers))
+            assert len(units) == 2 and gathers == sorted(units * {"full": 4, "grads": 1}[shard]), (rank, shard, gathers)
+            scatters = [b for f, b in got["seen"] if "reduce_scatter" in f]
+            assert sorted(2 * b for b in scatters) == units, (rank, shard, got["seen"])  # each rank's half, once
+            sent = sum(b / 2 for b in gathers) + sum(2 * b for b in scatters)
+            sent += sum(b for f, b in got["seen"] if ("send" in f or "allreduce" in f) and b > 4)  # (not the scalars)
+            assert sent == got["plan"], (rank, shard, sent, got["plan"], got["seen"])
