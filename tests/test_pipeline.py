@@ -170,14 +170,16 @@ def test_bad_layouts_are_one_line(data, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_pipeline_on_task_data_equals_one_process(tmp_path):
+@pytest.mark.parametrize("ranks,flags", [(2, []), (4, ["--shard", "full"])], ids=["pp2", "dp2xpp2-full"])
+def test_pipeline_on_task_data_equals_one_process(tmp_path, ranks, flags):
     """Packed task rows with answers of uneven length: each micro-batch's loss weighs by its share of the step's
-    targets (4 micro-batches of one row a step), and the packing reaches every stage."""
+    targets (4 micro-batches of one row a step), and the packing reaches every stage; also with each stage sharded
+    over 2 replicas (2 micro-batches each, weighed by the step's targets over both)."""
     from test_finetune_train import task_run_args, uneven_task
     task = uneven_task(tmp_path)
     equal = ["--batch_size", "1", "--total_batch_size", "256", "--n_layer", "4"]
     run_train(task_run_args(task, tmp_path / "single", *equal), env=clean_env(), timeout=LIMIT)
-    proc = run_launched(task_run_args(task, tmp_path / "pp", *equal, "--pp", "2"), torchrun(2), clean_env())
+    proc = run_launched(task_run_args(task, tmp_path / "pp", *equal, "--pp", "2", *flags), torchrun(ranks), clean_env())
     assert "pipeline: 2 stages" in proc.stdout
     ref, got = read_log(tmp_path / "single", "train"), read_log(tmp_path / "pp", "train")
     assert sorted(got) == sorted(ref) == [0, 1, 2, 3]
