@@ -130,14 +130,20 @@ def test_ddp_checkpoint_resumes_on_a_pipeline(data, single, tmp_path):
 
 
 def test_sharded_checkpoint_resumes_on_dp2_x_pp2(data, single, tmp_path):
-    """--shard full's .dcp checkpoint (2 ranks, stopped after step 3) resumes on 2 replicas x 2 stages, each stage
-    reading its part (the last stage's lm_head and its AdamW moments from the tied weight's one entry), and continues
+    """--shard full's .dcp checkpoint (2 ranks, stopped after step 3) resumes on 2 replicas x 2 stages (DDP, then
+    sharded stages), each stage reading its part (the last stage's lm_head and its AdamW moments from the tied weight's one entry), and continues
     the uninterrupted run: the losses after resuming and the final weights are one process's."""
     sharded = tmp_path / "sharded"
     run_launched(tiny_run_args(data, sharded, *EQUAL, "--shard", "full"), torchrun(2), clean_env())
     resumed = stopped_after_step_3(sharded, tmp_path / "sharded_to_pp")
     proc = run_launched(["--resume", "--log_dir", resumed, "--pp", "2", "--shard", "none"], torchrun(4), clean_env())
     assert "model_00003.dcp at step 3" in proc.stdout and "pipeline: 2 stages x 2 data-parallel" in proc.stdout
+    assert_same_run(single[0], resumed)
+    assert final_weights_diff(single[0], resumed) <= TOL
+    # and onto stages that are themselves sharded (--shard full, from the checkpoint's arguments): DCP reads the pieces
+    resumed = stopped_after_step_3(sharded, tmp_path / "sharded_to_sharded_pp")
+    proc = run_launched(["--resume", "--log_dir", resumed, "--pp", "2"], torchrun(4), clean_env())
+    assert "model_00003.dcp at step 3" in proc.stdout and "each stage sharded over its replicas (--shard full)" in proc.stdout
     assert_same_run(single[0], resumed)
     assert final_weights_diff(single[0], resumed) <= TOL
 
