@@ -100,6 +100,8 @@ class Pipeline:
         # the last stage's output is that loss (computed in its forward, where FSDP has lm_head gathered)
         self.schedule = schedule(self.pipe_stage, n_microbatches, loss_fn=lambda loss, _: loss, scale_grads=False)
         self.n_microbatches, self.batch, self.seq_len = n_microbatches, args.batch_size, args.seq_len
+        # --lora: the adapters (in each stage's blocks) are what trains and what a checkpoint holds of the model
+        self.lora = (args.lora, args.lora_alpha, args.lora_targets) if getattr(args, "lora", 0) else None
         print0(plan_line(self, args.pp_schedule))
 
     def step(self, batches, n_targets, max_norm):
@@ -129,8 +131,9 @@ class Pipeline:
         copies' gradients, and both copies get it, so both take the same AdamW step and stay equal."""
         if self.pp > 1 and (self.first or self.last):
             gpt = self.stage.gpt
-            grad = (gpt.transformer.wte if self.first else gpt.lm_head).weight.grad  # sharded: the same piece at both ends
-            dist.all_reduce(local(grad), group=self.tied_group)
+            tied = (gpt.transformer.wte if self.first else gpt.lm_head).weight
+            if tied.requires_grad:  # (frozen under --lora: no gradient; sharded: the same piece at both ends)
+                dist.all_reduce(local(tied.grad), group=self.tied_group)
 
     def clip(self, max_norm):
         """torch.nn.utils.clip_grad_norm_ over the whole model: the global norm sums every stage's squares, counting the
@@ -174,8 +177,10 @@ class Pipeline:
                 for n, p in gpt.named_parameters() if p.requires_grad and (p.dim() >= 2) == decay]
 
     def whole_names(self):
+        import lora
         with torch.device("meta"):
-            return self.optimizer_names(type(self.stage.gpt)(self.config))
+            gpt = type(self.stage.gpt)(self.config)
+            return self.optimizer_names(lora.add_adapters(gpt, *self.lora, init=False) if self.lora else gpt)
 
     def full_state(self, optimizer=None):
         """(the whole model's state_dict, AdamW's state_dict numbered as one process numbers it, or None) on rank 0,
@@ -201,6 +206,8 @@ class Pipeline:
         split = sum(1 for n in names if weights[n].dim() >= 2)
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(ids)}
                   for g, ids in zip(optimizer.state_dict()["param_groups"], (range(split), range(split, len(names))))]
+        if self.lora:  # a LoRA checkpoint holds the adapters alone, as one process's (lora.adapters)
+            weights = {k: v for k, v in weights.items() if ".lora_" in k}
         return weights, {"state": {i: moments[n] for i, n in enumerate(names) if n in moments}, "param_groups": groups}
 
     def load_optimizer_state(self, optimizer, full):

@@ -20,8 +20,8 @@ def check_layout(args, world_size):
                          f"(world = data-parallel replicas x pipeline stages)")
     if pp > args.n_layer and args.init_from == "scratch" and not args.resume:
         raise SystemExit(f"error: --pp {pp}: more stages than the model's {args.n_layer} blocks (--n_layer)")
-    if pp > 1 and args.lora:
-        raise SystemExit(f"error: --pp {pp} runs without --lora (not yet combined)")
+    if pp > 1 and args.lora and args.shard != "none" and world_size > pp:
+        raise SystemExit(f"error: --pp {pp} --lora runs with --shard none (sharded stages with adapters: not yet)")
     dp = world_size // pp
     steps = args.total_batch_size // max(args.batch_size * args.seq_len * dp, 1)
     if pp > 1 and args.pp_schedule == "1f1b" and steps < pp:

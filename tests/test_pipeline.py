@@ -169,6 +169,7 @@ def test_bad_layouts_are_one_line(data, tmp_path):
         return str(e.value)
     assert "--pp 5: more stages than the model's 4 blocks" in refused(5, "--pp", "5", "--n_layer", "4")
     assert "--pp 2: the world size 3 is not a multiple" in refused(3, "--pp", "2")
+    assert "--pp 2 --lora runs with --shard none" in refused(4, "--pp", "2", "--lora", "4", "--shard", "full")
     message = refused(2, "--pp", "2", "--batch_size", "2", "--seq_len", "32", "--total_batch_size", "64")
     assert "--pp_schedule 1f1b needs at least 2 micro-batches a step" in message and "gpipe" in message
     proc = run_train(tiny_run_args(data, tmp_path / "log", "--pp", "2"), check=False)
@@ -266,3 +267,27 @@ def test_sharded_stage_traffic_is_the_plan_lines(tmp_path):
             sent = sum(b / 2 for b in gathers) + sum(2 * b for b in scatters)
             sent += sum(b for f, b in got["seen"] if ("send" in f or "allreduce" in f) and b > 4)  # (not the scalars)
             assert sent == got["plan"], (rank, shard, sent, got["plan"], got["seen"])
+
+
+def test_lora_on_a_pipeline_equals_one_process(tmp_path):
+    """--lora on 2 stages (the adapters in each stage's blocks, the base and its tied weight frozen) trains what one
+    process's LoRA run trains: the losses of 6 steps and the final adapters within 1e-5; its checkpoint holds the
+    adapters alone, numbered as one process's, and resumes on one process, continuing the uninterrupted run."""
+    from conftest import save_random_hf_gpt2
+    from test_lora import adapters_of, lora_args
+    base = tmp_path / "base"
+    save_random_hf_gpt2(base, n_layer=4, n_head=2, n_embd=32, n_positions=64)
+    data = make_shards(tmp_path / "data", vocab=50257)
+    run_train(lora_args(data, tmp_path / "one", str(base)), env=clean_env(), timeout=LIMIT)
+    proc = run_launched(lora_args(data, tmp_path / "pp", str(base), "--pp", "2"), torchrun(2), clean_env())
+    assert "pipeline: 2 stages" in proc.stdout and "lora: r 4" in proc.stdout
+    ref, got = read_log(tmp_path / "one", "train"), read_log(tmp_path / "pp", "train")
+    assert sorted(got) == sorted(ref) == [0, 1, 2, 3, 4, 5] and max(abs(ref[s] - got[s]) for s in ref) <= TOL, (ref, got)
+    (one, _), (pp, ckpt) = adapters_of(tmp_path / "one"), adapters_of(tmp_path / "pp")
+    assert sorted(pp) == sorted(one) and all(".lora_" in k for k in pp)
+    assert max(float((one[k] - pp[k]).abs().max()) for k in one) <= TOL
+    to_one = stopped_after_step_3(tmp_path / "pp", tmp_path / "to_one")
+    run_train(["--resume", "--log_dir", to_one, "--init_from", str(base), "--lora", "4", "--lora_alpha", "8"],
+              env=clean_env(), timeout=LIMIT)
+    resumed, _ = adapters_of(to_one)
+    assert max(float((one[k] - resumed[k]).abs().max()) for k in one) <= TOL
