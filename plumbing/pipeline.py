@@ -218,8 +218,9 @@ class Pipeline:
         groups = []
         for group, full_group in zip(ours, full["param_groups"]):
             groups.append({**{k: v for k, v in full_group.items() if k != "params"}, "params": group["params"]})
-        params = dict(self.stage.gpt.named_parameters())
-        state = {i: {k: piece(v, params[n]) for k, v in full["state"][whole[n]].items()}
+        params = [p for decay in (True, False) for p in self.stage.gpt.parameters()  # (in mine's order)
+                  if p.requires_grad and (p.dim() >= 2) == decay]
+        state = {i: {k: piece(v, params[i]) for k, v in full["state"][whole[n]].items()}
                  for i, n in enumerate(mine) if whole[n] in full["state"]}
         optimizer.load_state_dict({"state": state, "param_groups": groups})
 

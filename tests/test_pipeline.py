@@ -283,7 +283,7 @@ def test_lora_on_a_pipeline_equals_one_process(tmp_path):
     assert "pipeline: 2 stages" in proc.stdout and "lora: r 4" in proc.stdout
     ref, got = read_log(tmp_path / "one", "train"), read_log(tmp_path / "pp", "train")
     assert sorted(got) == sorted(ref) == [0, 1, 2, 3, 4, 5] and max(abs(ref[s] - got[s]) for s in ref) <= TOL, (ref, got)
-    (one, _), (pp, ckpt) = adapters_of(tmp_path / "one"), adapters_of(tmp_path / "pp")
+    (one, _), (pp, _) = adapters_of(tmp_path / "one"), adapters_of(tmp_path / "pp")
     assert sorted(pp) == sorted(one) and all(".lora_" in k for k in pp)
     assert max(float((one[k] - pp[k]).abs().max()) for k in one) <= TOL
     to_one = stopped_after_step_3(tmp_path / "pp", tmp_path / "to_one")
