@@ -153,8 +153,9 @@ def stage_plan(config, bounds, batch, seq_len, n_microbatches, dp, shard="none",
 
 def plan_line(pipe, schedule):
     """The pipeline's plan: the layout, its bubble, and per stage its blocks, memory and bytes sent a step. Sharded
-    (--shard, dp > 1), a rank holds 1/dp of its stage's weights, gradients and AdamW state, and gathers the rest:
-    a block at a time (full), or all of the stage's weights for the whole step (grads)."""
+    (--shard, dp > 1), a rank holds 1/dp of its stage's weights, gradients and AdamW state, and gathers the rest: for
+    the whole step (grads), or a block at a time in a forward, but kept whole after a backward until the next forward
+    (full: the schedule keeps them, see stage_plan), so that a backward brings all of the stage's weights back whole."""
     M, N = pipe.n_microbatches, pipe.pp
     how = f", each stage sharded over its replicas (--shard {pipe.shard})" if pipe.shard != "none" else ""
     lines = [f"pipeline: {N} stages x {pipe.dp} data-parallel replica(s){how}, schedule {schedule}, {M} micro-batches "
@@ -162,8 +163,8 @@ def plan_line(pipe, schedule):
     plan = stage_plan(pipe.config, pipe.bounds, pipe.batch, pipe.seq_len, M, pipe.dp, pipe.shard, pipe.bf16, pipe.backend)
     share = pipe.dp if pipe.shard != "none" else 1
     for s, (what, params, sent) in enumerate(plan):
-        gathered = {"none": "", "full": " (+ a block's weights gathered at a time)",
-                    "grads": f" (+ {4 * params / 2**30:.3f} GiB: its weights gathered for the step)"}[pipe.shard]
+        gathered = {"none": "", "full": f" (+ {4 * params / 2**30:.3f} GiB: its weights, gathered whole by a backward)",
+                    "grads": f" (+ {4 * params / 2**30:.3f} GiB: its weights, gathered for the step)"}[pipe.shard]
         lines.append(f"  stage {s}: {what}: {params / 1e6:.2f}M parameters, {16 * params / share / 2**30:.3f} GiB of "
                      f"weights, gradients and AdamW state a rank{gathered}; each of its ranks sends {sent / 1e6:.1f} "
                      f"MB a step")
