@@ -385,7 +385,8 @@ class Run:
     def lay_out(self):
         """What follows from the layout, --shard, --pp and --tp (set again if --parallel auto picks another: choose_layout)."""
         args, ranks = self.args, self.ranks
-        self.sharded = args.shard != "none" and ranks.world_size > 1  # FSDP2: decided here, and only here
+        # FSDP2 over the world: decided here, and only here (--pp shards within each stage: plumbing/pipeline.py)
+        self.sharded = args.shard != "none" and ranks.world_size > 1 and args.pp == 1
         self.replicas = ranks.world_size // (args.pp * args.tp)  # data-parallel replicas: --pp stages x --tp ranks each
         self.grad_accum_steps = args.total_batch_size // (args.batch_size * args.seq_len * self.replicas)
         group = args.pp * args.tp  # the ranks of one replica read the same batches: the loaders see the replicas
@@ -412,7 +413,7 @@ def open_data_and_lock_log_dir(run):
     --log_dir, refused if it holds another run, and locked so that no second run writes there. Returns (the loader,
     HellaSwag's examples or None, the lock)."""
     args, ranks = run.args, run.ranks
-    if args.shard != "none" and not run.sharded:
+    if args.shard != "none" and ranks.world_size == 1:
         ranks.print0(f"--shard {args.shard}: with one rank there is nothing to split; training as usual")
     train_loader = dataloader.open_training_data(args, run.task, run.data_ranks)
     has_run = os.path.exists(os.path.join(args.log_dir, "log.txt")) or list_checkpoints(args.log_dir)
@@ -584,7 +585,7 @@ def evaluate(run, step, due):
     if due(args.eval_interval):  # the mean loss over every val target (a task may have none: then no val line)
         stats = torch.zeros(2, dtype=torch.float64, device=ranks.device)  # summed loss, target count
         with torch.no_grad():
-            for batch in dataloader.val_batches(args, run.task, run.data_ranks, lockstep=run.sharded):
+            for batch in dataloader.val_batches(args, run.task, run.data_ranks, lockstep=run.sharded or args.pp > 1):
                 x, y, packed = batch if batch is not None else (torch.zeros(1, args.seq_len, dtype=torch.long),) * 2 + (None,)
                 with run.autocast:
                     _, loss = (run.pipe or model)(x.to(ranks.device), y.to(ranks.device), packed=packed and packed.to(ranks.device))

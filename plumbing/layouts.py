@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from plumbing import pipeline, sharding, tensor_parallel
+from plumbing import sharding, stage_split, tensor_parallel
 
 FORCED = {"dp": ("none", 1), "fsdp": ("full", 1), "fsdp_grads": ("grads", 1)}  # --parallel NAME: (--shard, --pp)
 HEADROOM = 0.9  # a layout must fit in this share of the free memory: the rest is for what the estimate leaves out
@@ -71,9 +71,9 @@ def ring(world, size):
 
 def stages(config, pp, seq_len):
     """A pipeline's [(first block, end)] per stage, and its slowest stage's compute in blocks (lm_head and the loss
-    count on the last stage), as pipeline.py cuts it."""
-    block_cost, head_cost = pipeline.stage_costs(config, seq_len)
-    bounds = pipeline.split_blocks(config.n_layer, pp, block_cost, head_cost)
+    count on the last stage), as stage_split.py cuts it."""
+    block_cost, head_cost = stage_split.stage_costs(config, seq_len)
+    bounds = stage_split.split_blocks(config.n_layer, pp, block_cost, head_cost)
     return bounds, max(
         (b - a) + (s == pp - 1) * head_cost / block_cost for s, (a, b) in enumerate(bounds))
 
@@ -102,7 +102,7 @@ def plan(layout, config, world, rows, seq_len, micro_steps, bf16):
     else:  # pipeline: the busiest stage; 1F1B keeps at most pp micro-batches' activations on the first stage
         dp = world // layout.pp
         bounds, _ = stages(config, layout.pp, seq_len)
-        held = pipeline.stage_plan(config, bounds, rows, seq_len, micro_steps, dp)
+        held = stage_split.stage_plan(config, bounds, rows, seq_len, micro_steps, dp)
         layout.memory = max((STATE_BYTES + 4 * (dp > 1)) * params for _, params, _ in held) + \
             min(layout.pp, micro_steps) * acts(max(b - a for a, b in bounds))
         layout.sent = max(sent for _, _, sent in held)
@@ -179,7 +179,7 @@ def predict(layout, config, world, seq_len, micro_steps, block_seconds, link):
     stages runs M + N - 1 micro-steps' worth of its slowest stage (the bubble: (N-1)/(M+N-1) idle)."""
     bandwidth, latency = link
     L = config.n_layer
-    block_cost, head_cost = pipeline.stage_costs(config, seq_len)
+    block_cost, head_cost = stage_split.stage_costs(config, seq_len)
     if layout.tp > 1:  # the blocks' work split; the embeddings, lm_head and the loss done by every rank
         compute = micro_steps * (L / layout.tp + head_cost / block_cost) * block_seconds
         messages = micro_steps * L * 4

@@ -5,7 +5,8 @@ Between two stages travels one activation tensor per micro-batch forward, and it
 too big for one node, over slow links, far fewer bytes than FSDP's gathering of every weight (docs/parallel.md).
 
 One device mesh, (dp, pp): rank r is stage r % pp of data-parallel replica r // pp. The stages of one replica read
-the same micro-batches; a stage's replicas average their gradients with DDP (--shard none).
+the same micro-batches; a stage's replicas average their gradients with DDP (--shard none), or hold 1/dp of the
+stage each and gather it as FSDP does (--shard full: ZeRO-3, --shard grads: ZeRO-2; see shard_stage).
 
 The model is openly GPT: the first stage holds the embeddings, the last ln_f and lm_head, whose weight is wte's
 (tied). Each of the two keeps its copy; after every step the two copies' gradients are summed (one all-reduce
@@ -14,27 +15,8 @@ between the first and the last stage), so they stay equal, and gradient clipping
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
-SCHEDULES = ("1f1b", "gpipe")
-
-def check_layout(args, world_size):
-    """One error line for a layout that cannot run, before anything expensive. Returns the data-parallel size."""
-    pp = args.pp
-    if pp < 1 or world_size % pp:
-        raise SystemExit(f"error: --pp {pp}: the world size {world_size} is not a multiple of the stage count "
-                         f"(world = data-parallel replicas x pipeline stages)")
-    if pp > args.n_layer and args.init_from == "scratch" and not args.resume:
-        raise SystemExit(f"error: --pp {pp}: more stages than the model's {args.n_layer} blocks (--n_layer)")
-    if pp > 1 and args.shard != "none" or pp > 1 and args.lora:
-        raise SystemExit(f"error: --pp {pp} runs with --shard none and without --lora (not yet combined)")
-    dp = world_size // pp
-    steps = args.total_batch_size // max(args.batch_size * args.seq_len * dp, 1)
-    if pp > 1 and args.pp_schedule == "1f1b" and steps < pp:
-        raise SystemExit(f"error: --pp {pp} --pp_schedule 1f1b needs at least {pp} micro-batches a step, and "
-                         f"--total_batch_size {args.total_batch_size} gives {steps} (--batch_size {args.batch_size} x "
-                         f"--seq_len {args.seq_len} x {dp} replica(s)): raise it, or use --pp_schedule gpipe")
-    return dp
+from plumbing.stage_split import Side, Stage, Target, plan_line, split_blocks, stage_costs
 
 def replica_ranks(ranks, pp):
     """This rank as the data loader sees it: its data-parallel replica among the replicas (every stage of a replica
@@ -45,87 +27,34 @@ def replica_ranks(ranks, pp):
         replica.print0 = lambda *a, **k: None
     return replica
 
-# -----------------------------------------------------------------------------
-# Cutting the model: contiguous runs of blocks, balanced by their compute
+def local(t):
+    """A sharded tensor's piece on this rank (a DTensor's local part); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+    return t.to_local() if isinstance(t, DTensor) else t
 
-def stage_costs(config, seq_len):
-    """Forward FLOPs per token: (a block's, lm_head's with its loss). A block: its four matmuls (24 C^2) and attention
-    (4 T C, as if not causal: the kernel's work). The embeddings are lookups: no FLOPs, but they are the first stage's."""
-    C = config.n_embd
-    return 24 * C * C + 4 * seq_len * C, 2 * config.vocab_size * C
+def whole(t):
+    """A sharded tensor gathered whole (every rank of its mesh calls it); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
-def split_blocks(n_layer, n_stages, block_cost, head_cost):
-    """[(first block, end)] for each stage: contiguous, at least one block each, the largest stage cost (its blocks,
-    plus lm_head's for the last) as small as it can be. Exact, by dynamic programming over the cut points."""
-    if n_stages > n_layer:
-        raise SystemExit(f"error: --pp {n_stages}: more stages than the model's {n_layer} blocks")
-    INF = float("inf")
-    best = [[INF] * (n_layer + 1) for _ in range(n_stages + 1)]  # best[s][b]: s stages over blocks 0..b-1
-    cut = [[0] * (n_layer + 1) for _ in range(n_stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, n_stages + 1):
-        extra = head_cost if s == n_stages else 0.0
-        for b in range(s, n_layer + 1):
-            for a in range(s - 1, b):
-                cost = max(best[s - 1][a], (b - a) * block_cost + extra)
-                if cost < best[s][b]:
-                    best[s][b], cut[s][b] = cost, a
-    bounds, b = [], n_layer
-    for s in range(n_stages, 0, -1):
-        bounds.append((cut[s][b], b))
-        b = cut[s][b]
-    return bounds[::-1]
+def shard_stage(stage, mesh, shard, bf16):
+    """FSDP2 within a stage, over its dp replicas (mesh): each of the stage's blocks is a unit, the stage itself (its
+    embeddings, or ln_f and lm_head) the root, as sharding.shard_model does for a whole GPT. --shard grads keeps a
+    unit's weights gathered after its forward; the schedule keeps them after every backward but the step's last
+    (PipelineStage does, for FSDP), then reduce-scatters the gradients once."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    for i in stage.blocks:
+        fully_shard(stage.gpt.transformer.h[i], mesh=mesh, mp_policy=policy, reshard_after_forward=shard == "full")
+    fully_shard(stage, mesh=mesh, mp_policy=policy, reshard_after_forward=shard == "full")
 
-class Stage(nn.Module):
-    """One stage of a GPT: the GPT itself with what other stages hold removed (their blocks become Identity, so the
-    parameters keep the whole model's names, as checkpoints have them). Inputs: token ids (first stage) or the
-    residual stream (B, T, C); output: the residual stream, after ln_f on the last stage."""
-
-    def __init__(self, gpt, index, n_stages, blocks, dtype="fp32", device_type="cpu"):
-        super().__init__()
-        from plumbing import speedups  # the run's autocast, made afresh for each forward (the schedule runs them)
-        self.autocast = lambda: speedups.autocast(dtype, device_type)
-        self.first, self.last, self.blocks = index == 0, index == n_stages - 1, range(*blocks)
-        for i in range(len(gpt.transformer.h)):
-            if i not in self.blocks:
-                gpt.transformer.h[i] = nn.Identity()
-        if not self.first:
-            del gpt.transformer["wte"], gpt.transformer["wpe"]
-        if not self.last:
-            del gpt.transformer["ln_f"]
-            gpt.lm_head = None
-        self.gpt = gpt
-
-    def forward(self, x, side=None):
-        with self.autocast():
-            return self.layers(x, side.packed if side is not None else None)
-
-    def layers(self, x, packed):
-        t = self.gpt.transformer
-        if self.first:
-            T = x.size(1)
-            positions = packed.positions if packed is not None else torch.arange(T, device=x.device)
-            x = t.wte(x) + t.wpe(positions)
-        lengths = packed.lengths if packed is not None else None
-        for layer in self.blocks:
-            if self.gpt.recompute:  # as GPT.hidden does: keep only the block's input for backward
-                x = torch.utils.checkpoint.checkpoint(t.h[layer], x, None, layer, None, lengths, use_reentrant=False)
-            else:
-                x = t.h[layer](x, None, layer, None, lengths)
-        return t.ln_f(x) if self.last else x
-
-class Side:
-    """A micro-batch's packing (dataloader.Packed, or None), handed to every stage beside its input. Wrapped so that
-    the pipeline's schedules pass it through untouched, not as tensors to send or to differentiate."""
-
-    def __init__(self, packed):
-        self.packed = packed
-
-class Target:
-    """What the last stage's loss needs of a micro-batch: its targets, its packing, and its weight in the step's mean."""
-
-    def __init__(self, y, packed, weight):
-        self.y, self.packed, self.weight = y, packed, weight
+def piece(value, param):
+    """A moment of AdamW's state, whole, as param holds it: sharded, this rank's piece (no traffic: every rank has the
+    whole value); else as it is."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    if isinstance(param, DTensor) and torch.is_tensor(value) and value.shape == param.shape:
+        return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+    return value
 
 # -----------------------------------------------------------------------------
 # The pipeline: this rank's stage, its groups, its schedule
@@ -150,31 +79,30 @@ class Pipeline:
         self.bounds = split_blocks(model.config.n_layer, self.pp, block_cost, head_cost)
         self.stage = Stage(model, self.index, self.pp, self.bounds[self.index], dtype, device_type)
         self.first, self.last = self.stage.first, self.stage.last
+        self.shard = args.shard if self.dp > 1 else "none"  # (one replica: nothing to split)
+        self.bf16, self.backend = dtype == "bf16", dist.get_backend()
         trained = self.stage
-        if self.dp > 1:  # each stage's replicas average its gradients (the schedule asks for it at the last micro-batch)
+        if self.shard != "none":  # (sharded in place: the optimizer made after this holds the pieces)
+            shard_stage(self.stage, mesh["dp"], self.shard, self.bf16)
+        elif self.dp > 1:  # each stage's replicas average its gradients (the schedule asks for it at the last micro-batch)
             from torch.nn.parallel import DistributedDataParallel as DDP
             trained = DDP(self.stage, process_group=self.dp_group)
         # the shapes that travel, given (static mode): else the schedule would infer them by running a first
         # micro-batch through a copy of the loss with its target as a tensor, which ours (Target) is not
         B, T, C = args.batch_size, args.seq_len, model.config.n_embd
         stream = torch.empty(B, T, C, device="meta", requires_grad=True)  # the residual stream: fp32 also under autocast
+        loss = torch.empty((), device="meta", requires_grad=True)  # the last stage's output
         self.pipe_stage = PipelineStage(trained, self.index, self.pp, torch.device(ranks.device), group=self.pp_group,
                                         input_args=torch.empty(B, T, dtype=torch.long, device="meta") if self.first
-                                        else stream, output_args=stream)
+                                        else stream, output_args=loss if self.last else stream)
         schedule = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[args.pp_schedule]
-        # scale_grads=False: each micro-batch's loss already carries its weight in the step's mean (loss below)
-        self.schedule = schedule(self.pipe_stage, n_microbatches, loss_fn=self.loss, scale_grads=False)
+        # scale_grads=False: each micro-batch's loss already carries its weight in the step's mean (Stage.loss);
+        # the last stage's output is that loss (computed in its forward, where FSDP has lm_head gathered)
+        self.schedule = schedule(self.pipe_stage, n_microbatches, loss_fn=lambda loss, _: loss, scale_grads=False)
         self.n_microbatches, self.batch, self.seq_len = n_microbatches, args.batch_size, args.seq_len
+        # --lora: the adapters (in each stage's blocks) are what trains and what a checkpoint holds of the model
+        self.lora = (args.lora, args.lora_alpha, args.lora_targets) if getattr(args, "lora", 0) else None
         print0(plan_line(self, args.pp_schedule))
-
-    def loss(self, h, target):
-        """The last stage's loss of one micro-batch, as GPT.forward computes it, times its weight in the step."""
-        from plumbing.fused_loss import lm_head_loss
-        y, packed = target.y, target.packed
-        if packed is not None:  # only the targets' positions through lm_head
-            h, y = h.flatten(0, 1)[packed.picked], y.flatten()[packed.picked]
-        with self.stage.autocast():  # (lm_head's matmuls in the run's dtype, as GPT.forward under autocast)
-            return lm_head_loss(h, self.stage.gpt.lm_head.weight, y) * target.weight
 
     def step(self, batches, n_targets, max_norm):
         """One optimizer step's gradients, summed over its micro-batches (batches: [(x, y, packed)], the same on every
@@ -184,8 +112,9 @@ class Pipeline:
         weights = [1 / len(batches) if n_targets is None else int((y != IGNORE).sum()) * self.dp / max(n_targets, 1)
                    for _, y, _ in batches]
         args = [(x,) for x, _, _ in batches] if self.first else None
-        kwargs = [{"side": Side(packed)} for _, _, packed in batches]
-        targets = [Target(y, packed, w) for (_, y, packed), w in zip(batches, weights)] if self.last else None
+        kwargs = [{"side": Side(packed, Target(y, packed, w) if self.last else None)}
+                  for (_, y, packed), w in zip(batches, weights)]
+        targets = [None] * len(batches) if self.last else None  # (the targets travel in the side, to the forward)
         losses = [] if self.last else None
         # what schedule.step() does before its _step_microbatches, which takes the micro-batches as we already have
         # them: step() would cut one batch into equal chunks, and a packed micro-batch's lengths do not cut that way
@@ -202,16 +131,19 @@ class Pipeline:
         copies' gradients, and both copies get it, so both take the same AdamW step and stay equal."""
         if self.pp > 1 and (self.first or self.last):
             gpt = self.stage.gpt
-            dist.all_reduce((gpt.transformer.wte if self.first else gpt.lm_head).weight.grad, group=self.tied_group)
+            tied = (gpt.transformer.wte if self.first else gpt.lm_head).weight
+            if tied.requires_grad:  # (frozen under --lora: no gradient; sharded: the same piece at both ends)
+                dist.all_reduce(local(tied.grad), group=self.tied_group)
 
     def clip(self, max_norm):
         """torch.nn.utils.clip_grad_norm_ over the whole model: the global norm sums every stage's squares, counting the
-        tied weight once (the first stage's copy); every stage scales its gradients by the same factor."""
-        grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
-        counted = [p.grad for n, p in self.stage.named_parameters()
+        tied weight once (the first stage's copy); every stage scales its gradients by the same factor. Sharded, each
+        rank squares its pieces and the sum runs over every rank (replicas hold different pieces, not copies)."""
+        grads = [local(p.grad) for p in self.stage.parameters() if p.grad is not None]
+        counted = [local(p.grad) for n, p in self.stage.named_parameters()
                    if p.grad is not None and not (n == "gpt.lm_head.weight" and not self.first)]
         squares = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in counted]).sum()
-        dist.all_reduce(squares, group=self.pp_group)
+        dist.all_reduce(squares, group=self.pp_group if self.shard == "none" else None)
         norm = squares.sqrt()
         torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
         return norm
@@ -220,7 +152,7 @@ class Pipeline:
     def __call__(self, x, y, packed=None):
         """(None, the loss of one batch) on every stage of the replica, as GPT.forward returns it: the activations
         go from stage to stage (no schedule: evaluation has no backward to overlap), the last stage's loss comes back."""
-        side = Side(packed)
+        side = Side(packed, Target(y, packed, 1.0) if self.last else None)
         if self.first:
             h = self.stage(x, side)
         else:
@@ -231,7 +163,7 @@ class Pipeline:
             dist.send(h.float().contiguous(), dst=self.first_rank + self.index + 1)
             loss = torch.zeros((), device=x.device)
         else:
-            loss = self.loss(h, Target(y, packed, 1.0)).float()
+            loss = h.detach()
         dist.broadcast(loss, src=self.last_rank, group=self.pp_group)
         return None, loss
 
@@ -245,18 +177,20 @@ class Pipeline:
                 for n, p in gpt.named_parameters() if p.requires_grad and (p.dim() >= 2) == decay]
 
     def whole_names(self):
+        import lora
         with torch.device("meta"):
-            return self.optimizer_names(type(self.stage.gpt)(self.config))
+            gpt = type(self.stage.gpt)(self.config)
+            return self.optimizer_names(lora.add_adapters(gpt, *self.lora, init=False) if self.lora else gpt)
 
     def full_state(self, optimizer=None):
         """(the whole model's state_dict, AdamW's state_dict numbered as one process numbers it, or None) on rank 0,
-        (None, None) elsewhere. Every rank calls it: replica 0's stages send their parts to rank 0."""
-        part = None
-        if self.replica == 0:
-            weights = {k.removeprefix("gpt."): v for k, v in self.stage.state_dict().items()}
-            names = self.optimizer_names(self.stage.gpt)
-            moments = {names[i]: s for i, s in optimizer.state_dict()["state"].items()} if optimizer else None
-            part = (weights, moments)
+        (None, None) elsewhere. Every rank calls it: replica 0's stages send their parts to rank 0 (sharded, each
+        stage's replicas first gather its tensors whole)."""
+        weights = {k.removeprefix("gpt."): whole(v) for k, v in self.stage.state_dict().items()}
+        names = self.optimizer_names(self.stage.gpt)
+        moments = {names[i]: {k: whole(v) for k, v in s.items()}
+                   for i, s in optimizer.state_dict()["state"].items()} if optimizer else None
+        part = (weights, moments) if self.replica == 0 else None
         parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(part, parts, dst=0)
         if parts is None:
@@ -272,6 +206,8 @@ class Pipeline:
         split = sum(1 for n in names if weights[n].dim() >= 2)
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(ids)}
                   for g, ids in zip(optimizer.state_dict()["param_groups"], (range(split), range(split, len(names))))]
+        if self.lora:  # a LoRA checkpoint holds the adapters alone, as one process's (lora.adapters)
+            weights = {k: v for k, v in weights.items() if ".lora_" in k}
         return weights, {"state": {i: moments[n] for i, n in enumerate(names) if n in moments}, "param_groups": groups}
 
     def load_optimizer_state(self, optimizer, full):
@@ -282,7 +218,10 @@ class Pipeline:
         groups = []
         for group, full_group in zip(ours, full["param_groups"]):
             groups.append({**{k: v for k, v in full_group.items() if k != "params"}, "params": group["params"]})
-        state = {i: full["state"][whole[n]] for i, n in enumerate(mine) if whole[n] in full["state"]}
+        params = [p for decay in (True, False) for p in self.stage.gpt.parameters()  # (in mine's order)
+                  if p.requires_grad and (p.dim() >= 2) == decay]
+        state = {i: {k: piece(v, params[i]) for k, v in full["state"][whole[n]].items()}
+                 for i, n in enumerate(mine) if whole[n] in full["state"]}
         optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def load_sharded(self, path, optimizer):
@@ -304,7 +243,7 @@ class Pipeline:
         same weights, the tied weight's two copies are equal, and rank 0 prints the whole model's digest (the one a
         single process with the same weights prints)."""
         from plumbing import world
-        digest = world.state_digest({k: v for k, v in self.stage.state_dict().items()})
+        digest = world.state_digest({k: whole(v) for k, v in self.stage.state_dict().items()})  # (sharded: whole)
         digests = [None] * self.dp
         dist.all_gather_object(digests, digest, group=self.dp_group)
         weights, _ = self.full_state()
@@ -314,35 +253,3 @@ class Pipeline:
             if not torch.equal(weights["transformer.wte.weight"], weights["lm_head.weight"]):
                 raise SystemExit("error: the tied weight's copies (wte on the first stage, lm_head on the last) differ")
             print(f"parameter sha256 (all {ranks.world_size} rank(s)): {world.state_digest(weights)}", flush=True)
-
-# -----------------------------------------------------------------------------
-# What each stage holds and sends, computed
-
-def stage_plan(config, bounds, batch, seq_len, n_microbatches, dp):
-    """[(what it holds, its parameters, bytes each of its ranks sends a step)] per stage. Parameters: a block's
-    12 C^2 + 13 C, the embeddings' (V + block_size) C on the first stage, ln_f's 2 C and lm_head's copy of wte, V C, on
-    the last. Sent: an fp32 activation (B, T, C) a micro-batch to the next stage, its gradient to the one before; the
-    tied gradient to the other end (a 2-rank all-reduce sends it once); DDP's ring all-reduce of the stage's gradients
-    (2 (dp-1)/dp of them)."""
-    C, V, pp = config.n_embd, config.vocab_size, len(bounds)
-    activation = batch * seq_len * C * 4 * n_microbatches
-    plan = []
-    for s, (a, b) in enumerate(bounds):
-        first, last = s == 0, s == pp - 1
-        params = (b - a) * (12 * C * C + 13 * C) + first * (V + config.block_size) * C + last * (2 * C + V * C)
-        sent = (not last) * activation + (not first) * activation + (pp > 1 and (first or last)) * V * C * 4
-        sent += 2 * (dp - 1) / dp * params * 4
-        what = ("embeddings + " if first else "") + f"blocks {a}-{b - 1}" + (" + ln_f, lm_head" if last else "")
-        plan.append((what, params, sent))
-    return plan
-
-def plan_line(pipe, schedule):
-    """The pipeline's plan: the layout, its bubble, and per stage its blocks, memory and bytes sent a step."""
-    M, N = pipe.n_microbatches, pipe.pp
-    lines = [f"pipeline: {N} stages x {pipe.dp} data-parallel replica(s), schedule {schedule}, {M} micro-batches a "
-             f"step: bubble (N-1)/(M+N-1) = {(N - 1) / (M + N - 1):.1%}"]
-    plan = stage_plan(pipe.config, pipe.bounds, pipe.batch, pipe.seq_len, M, pipe.dp)
-    for s, (what, params, sent) in enumerate(plan):
-        lines.append(f"  stage {s}: {what}: {params / 1e6:.2f}M parameters, {16 * params / 2**30:.3f} GiB of "
-                     f"weights, gradients and AdamW state; each of its ranks sends {sent / 1e6:.1f} MB a step")
-    return "\n".join(lines)

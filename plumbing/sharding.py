@@ -99,12 +99,13 @@ def load_full_optimizer_state(model, optimizer, state):
                "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
-def bytes_sent(weights, grads, world_size, shard, micro_steps, bf16, backend="gloo"):
-    """Bytes each rank sends an optimizer step under DDP (--shard none) or FSDP (full, grads): see plan_line."""
+def bytes_sent(weights, grads, world_size, shard, micro_steps, bf16, backend="gloo", gathers=None):
+    """Bytes each rank sends an optimizer step under DDP (--shard none) or FSDP (full, grads): see plan_line.
+    gathers: how many times a step each weight is all-gathered, where not this trainer's (a pipeline's stage)."""
     ring = (world_size - 1) / world_size
     if shard == "none":
         return 2 * ring * grads * 4
-    gathers = {"full": 2 * micro_steps * weights, "grads": weights}[shard]
+    gathers = (gathers or {"full": 2 * micro_steps, "grads": 1}[shard]) * weights
     scatter = 2 if backend == "gloo" else 1
     return ring * (gathers * (2 if bf16 else 4) + scatter * grads * 4)
 

@@ -16,7 +16,7 @@ import pytest
 import train_gpt2
 from conftest import (LIMIT, REPO, clean_env, final_weights_diff, make_shards, printed_norms, read_log, run_launched,
                       run_train, tiny_run_args, torchrun)
-from plumbing import pipeline
+from plumbing import stage_split
 from test_distributed import assert_same_run
 
 pytestmark = pytest.mark.xdist_group("multiprocess")
@@ -44,14 +44,26 @@ def pp2(data, tmp_path_factory):
     return log_dir, run_launched(tiny_run_args(data, log_dir, *EQUAL, "--pp", "2"), torchrun(2), clean_env())
 
 
+@pytest.fixture(scope="module")
+def pp2_full(data, tmp_path_factory):
+    """2 replicas x 2 stages, each stage sharded over its replicas (FSDP, ZeRO-3)."""
+    log_dir = tmp_path_factory.mktemp("pp2_full") / "log"
+    return log_dir, run_launched(tiny_run_args(data, log_dir, *EQUAL, "--pp", "2", "--shard", "full"), torchrun(4),
+                                 clean_env())
+
+
 @pytest.mark.parametrize("ranks,flags", [(2, ["--pp", "2"]), (3, ["--pp", "3"]), (2, ["--pp", "2", "--pp_schedule", "gpipe"]),
-                                         (4, ["--pp", "2"])], ids=["pp2", "pp3", "pp2-gpipe", "dp2xpp2"])
-def test_pipeline_equals_one_process(data, single, pp2, tmp_path, ranks, flags):
+                                         (4, ["--pp", "2"]), (4, ["--pp", "2", "--shard", "full"]),
+                                         (4, ["--pp", "2", "--shard", "grads", "--pp_schedule", "gpipe"])],
+                         ids=["pp2", "pp3", "pp2-gpipe", "dp2xpp2", "dp2xpp2-full", "dp2xpp2-grads-gpipe"])
+def test_pipeline_equals_one_process(data, single, pp2, pp2_full, tmp_path, ranks, flags):
     """The losses of 6 steps, the val losses, the gradient norms (clipping's: the tied weight counted once) and the
     final weights of one process, on every layout; the run's own end check has found the replicas of each stage
     and the tied weight's two copies equal (it stops the run otherwise)."""
     if flags == ["--pp", "2"] and ranks == 2:
         log_dir, proc = pp2
+    elif "full" in flags:
+        log_dir, proc = pp2_full
     else:
         log_dir = tmp_path / "log"
         proc = run_launched(tiny_run_args(data, log_dir, *EQUAL, *flags), torchrun(ranks), clean_env())
@@ -92,6 +104,18 @@ def test_checkpoints_cross_layouts(data, single, pp2, tmp_path):
     assert sample.returncode == 0, sample.stderr
 
 
+def test_sharded_stages_checkpoint_resumes_on_one_process(single, pp2_full, tmp_path):
+    """Stages sharded over their replicas gather their weights and AdamW moments whole for rank 0's one-process .pt:
+    it resumes on one process and continues the uninterrupted run."""
+    assert "model_00003.pt" in os.listdir(pp2_full[0]) and "each stage sharded over its replicas" in pp2_full[1].stdout
+    to_one = stopped_after_step_3(pp2_full[0], tmp_path / "to_one")
+    proc = run_train(["--resume", "--log_dir", to_one], env=clean_env(), timeout=LIMIT)
+    assert "model_00003.pt at step 3" in proc.stdout and "pipeline:" not in proc.stdout
+    assert sorted(read_log(to_one, "train")) == [0, 1, 2, 3, 4, 5]
+    assert_same_run(single[0], to_one)
+    assert final_weights_diff(single[0], to_one) <= TOL
+
+
 def test_ddp_checkpoint_resumes_on_a_pipeline(data, single, tmp_path):
     """DDP's checkpoint (2 ranks, stopped after step 3) resumes on 2 stages and continues the uninterrupted run: the
     losses after resuming and the final weights are one process's."""
@@ -106,8 +130,8 @@ def test_ddp_checkpoint_resumes_on_a_pipeline(data, single, tmp_path):
 
 
 def test_sharded_checkpoint_resumes_on_dp2_x_pp2(data, single, tmp_path):
-    """--shard full's .dcp checkpoint (2 ranks, stopped after step 3) resumes on 2 replicas x 2 stages, each stage
-    reading its part (the last stage's lm_head and its AdamW moments from the tied weight's one entry), and continues
+    """--shard full's .dcp checkpoint (2 ranks, stopped after step 3) resumes on 2 replicas x 2 stages (DDP, then
+    sharded stages), each stage reading its part (the last stage's lm_head and its AdamW moments from the tied weight's one entry), and continues
     the uninterrupted run: the losses after resuming and the final weights are one process's."""
     sharded = tmp_path / "sharded"
     run_launched(tiny_run_args(data, sharded, *EQUAL, "--shard", "full"), torchrun(2), clean_env())
@@ -116,16 +140,22 @@ def test_sharded_checkpoint_resumes_on_dp2_x_pp2(data, single, tmp_path):
     assert "model_00003.dcp at step 3" in proc.stdout and "pipeline: 2 stages x 2 data-parallel" in proc.stdout
     assert_same_run(single[0], resumed)
     assert final_weights_diff(single[0], resumed) <= TOL
+    # and onto stages that are themselves sharded (--shard full, from the checkpoint's arguments): DCP reads the pieces
+    resumed = stopped_after_step_3(sharded, tmp_path / "sharded_to_sharded_pp")
+    proc = run_launched(["--resume", "--log_dir", resumed, "--pp", "2"], torchrun(4), clean_env())
+    assert "model_00003.dcp at step 3" in proc.stdout and "each stage sharded over its replicas (--shard full)" in proc.stdout
+    assert_same_run(single[0], resumed)
+    assert final_weights_diff(single[0], resumed) <= TOL
 
 
 def test_split_balances_compute():
     """Contiguous runs of at least one block each, the largest stage cost as small as it can be: lm_head (here worth
     3 blocks) pushes blocks toward the first stages."""
-    assert pipeline.split_blocks(12, 3, 1.0, 3.0) == [(0, 5), (5, 10), (10, 12)]
-    assert pipeline.split_blocks(4, 3, 1.0, 0.0) in ([(0, 2), (2, 3), (3, 4)], [(0, 1), (1, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)])
-    assert pipeline.split_blocks(4, 4, 1.0, 100.0) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert stage_split.split_blocks(12, 3, 1.0, 3.0) == [(0, 5), (5, 10), (10, 12)]
+    assert stage_split.split_blocks(4, 3, 1.0, 0.0) in ([(0, 2), (2, 3), (3, 4)], [(0, 1), (1, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)])
+    assert stage_split.split_blocks(4, 4, 1.0, 100.0) == [(0, 1), (1, 2), (2, 3), (3, 4)]
     config = train_gpt2.GPTConfig(n_layer=12, n_embd=768, vocab_size=50304)
-    bounds = pipeline.split_blocks(12, 3, *pipeline.stage_costs(config, 1024))
+    bounds = stage_split.split_blocks(12, 3, *stage_split.stage_costs(config, 1024))
     # GPT-2 (124M): lm_head costs about 4.5 blocks, so the last stage gets 1 (cost 5.5), the others 5 and 6
     assert [b - a for a, b in bounds] in ([5, 6, 1], [6, 5, 1])
 
@@ -139,6 +169,7 @@ def test_bad_layouts_are_one_line(data, tmp_path):
         return str(e.value)
     assert "--pp 5: more stages than the model's 4 blocks" in refused(5, "--pp", "5", "--n_layer", "4")
     assert "--pp 2: the world size 3 is not a multiple" in refused(3, "--pp", "2")
+    assert "--pp 2 --lora runs with --shard none" in refused(4, "--pp", "2", "--lora", "4", "--shard", "full")
     message = refused(2, "--pp", "2", "--batch_size", "2", "--seq_len", "32", "--total_batch_size", "64")
     assert "--pp_schedule 1f1b needs at least 2 micro-batches a step" in message and "gpipe" in message
     proc = run_train(tiny_run_args(data, tmp_path / "log", "--pp", "2"), check=False)
@@ -146,14 +177,16 @@ def test_bad_layouts_are_one_line(data, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_pipeline_on_task_data_equals_one_process(tmp_path):
+@pytest.mark.parametrize("ranks,flags", [(2, []), (4, ["--shard", "full"])], ids=["pp2", "dp2xpp2-full"])
+def test_pipeline_on_task_data_equals_one_process(tmp_path, ranks, flags):
     """Packed task rows with answers of uneven length: each micro-batch's loss weighs by its share of the step's
-    targets (4 micro-batches of one row a step), and the packing reaches every stage."""
+    targets (4 micro-batches of one row a step), and the packing reaches every stage; also with each stage sharded
+    over 2 replicas (2 micro-batches each, weighed by the step's targets over both)."""
     from test_finetune_train import task_run_args, uneven_task
     task = uneven_task(tmp_path)
     equal = ["--batch_size", "1", "--total_batch_size", "256", "--n_layer", "4"]
     run_train(task_run_args(task, tmp_path / "single", *equal), env=clean_env(), timeout=LIMIT)
-    proc = run_launched(task_run_args(task, tmp_path / "pp", *equal, "--pp", "2"), torchrun(2), clean_env())
+    proc = run_launched(task_run_args(task, tmp_path / "pp", *equal, "--pp", "2", *flags), torchrun(ranks), clean_env())
     assert "pipeline: 2 stages" in proc.stdout
     ref, got = read_log(tmp_path / "single", "train"), read_log(tmp_path / "pp", "train")
     assert sorted(got) == sorted(ref) == [0, 1, 2, 3]
@@ -172,3 +205,89 @@ def test_pipeline_in_bf16_equals_one_process_in_bf16(data, tmp_path):
     assert "--dtype bf16" in pp.stdout and "pipeline: 2 stages" in pp.stdout  # (its line, or its warning where slow)
     ref, got = read_log(tmp_path / "one", "train"), read_log(tmp_path / "pp", "train")
     assert sorted(got) == sorted(ref) == [0, 1, 2] and max(abs(ref[s] - got[s]) for s in ref) <= TOL, (ref, got)
+
+
+TRAFFIC = r'''
+import json, sys
+from types import SimpleNamespace
+sys.path.insert(0, sys.argv[1])
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from train_gpt2 import GPT, GPTConfig
+from plumbing import pipeline, stage_split
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+config = GPTConfig(block_size=16, vocab_size=128, n_layer=2, n_head=2, n_embd=8)
+seen = []
+class Record(TorchDispatchMode):  # every collective the step makes, with the bytes of its (first) tensor argument
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "c10d" in str(func):
+            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            seen.append([str(func), sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))])
+        return func(*args, **(kwargs or {}))
+out = {}
+for shard in ("full", "grads"):
+    torch.manual_seed(0)
+    pipe = pipeline.Pipeline(GPT(config), SimpleNamespace(pp=2, shard=shard, batch_size=2, seq_len=16, pp_schedule="1f1b"),
+                             SimpleNamespace(world_size=4, rank=dist.get_rank(), device="cpu"), 3, lambda *a: None)
+    x = torch.randint(0, 128, (2, 16))
+    seen.clear()
+    with Record():
+        pipe.step([(x, x, None)] * 3, None, 1.0)
+    plan = stage_split.stage_plan(config, pipe.bounds, 2, 16, 3, 2, shard)[pipe.index][2]
+    out[shard] = {"seen": list(seen), "plan": plan}
+everything = [None] * 4
+dist.all_gather_object(everything, out)
+if dist.get_rank() == 0:
+    print(json.dumps(everything))
+dist.destroy_process_group()
+'''
+
+
+def test_sharded_stage_traffic_is_the_plan_lines(tmp_path):
+    """What 2 replicas x 2 stages send in a step of 3 micro-batches (1F1B), recorded on each rank: with each stage
+    sharded (full), every unit (a block; the stage's own embeddings or ln_f + lm_head) all-gathered M + 1 = 4 times, not
+    2 M (the schedule keeps a unit gathered after a backward), with --shard grads once; the gradients reduce-scattered
+    once; and the bytes of it all (a ring all-gather sends half the whole tensor on 2 ranks; gloo's reduce-scatter
+    twice its piece; the tied gradient's piece once; the activations and their gradients) are the plan line's."""
+    import json
+    script = tmp_path / "traffic.py"
+    script.write_text(TRAFFIC)
+    proc = subprocess.run([*torchrun(4), str(script), REPO], capture_output=True, text=True, env=clean_env(), cwd=REPO,
+                          timeout=LIMIT)
+    assert proc.returncode == 0, proc.stderr
+    for rank, out in enumerate(json.loads(proc.stdout.strip().splitlines()[-1])):
+        for shard, got in out.items():
+            gathers = sorted(b for f, b in got["seen"] if "allgather" in f)
+            units = sorted(set(gathers))
+            assert len(units) == 2 and gathers == sorted(units * {"full": 4, "grads": 1}[shard]), (rank, shard, gathers)
+            scatters = [b for f, b in got["seen"] if "reduce_scatter" in f]
+            assert sorted(2 * b for b in scatters) == units, (rank, shard, got["seen"])  # each rank's half, once
+            sent = sum(b / 2 for b in gathers) + sum(2 * b for b in scatters)
+            sent += sum(b for f, b in got["seen"] if ("send" in f or "allreduce" in f) and b > 4)  # (not the scalars)
+            assert sent == got["plan"], (rank, shard, sent, got["plan"], got["seen"])
+
+
+def test_lora_on_a_pipeline_equals_one_process(tmp_path):
+    """--lora on 2 stages (the adapters in each stage's blocks, the base and its tied weight frozen) trains what one
+    process's LoRA run trains: the losses of 6 steps and the final adapters within 1e-5; its checkpoint holds the
+    adapters alone, numbered as one process's, and resumes on one process, continuing the uninterrupted run."""
+    from conftest import save_random_hf_gpt2
+    from test_lora import adapters_of, lora_args
+    base = tmp_path / "base"
+    save_random_hf_gpt2(base, n_layer=4, n_head=2, n_embd=32, n_positions=64)
+    data = make_shards(tmp_path / "data", vocab=50257)
+    run_train(lora_args(data, tmp_path / "one", str(base)), env=clean_env(), timeout=LIMIT)
+    proc = run_launched(lora_args(data, tmp_path / "pp", str(base), "--pp", "2"), torchrun(2), clean_env())
+    assert "pipeline: 2 stages" in proc.stdout and "lora: r 4" in proc.stdout
+    ref, got = read_log(tmp_path / "one", "train"), read_log(tmp_path / "pp", "train")
+    assert sorted(got) == sorted(ref) == [0, 1, 2, 3, 4, 5] and max(abs(ref[s] - got[s]) for s in ref) <= TOL, (ref, got)
+    (one, _), (pp, _) = adapters_of(tmp_path / "one"), adapters_of(tmp_path / "pp")
+    assert sorted(pp) == sorted(one) and all(".lora_" in k for k in pp)
+    assert max(float((one[k] - pp[k]).abs().max()) for k in one) <= TOL
+    to_one = stopped_after_step_3(tmp_path / "pp", tmp_path / "to_one")
+    run_train(["--resume", "--log_dir", to_one, "--init_from", str(base), "--lora", "4", "--lora_alpha", "8"],
+              env=clean_env(), timeout=LIMIT)
+    resumed, _ = adapters_of(to_one)
+    assert max(float((one[k] - resumed[k]).abs().max()) for k in one) <= TOL
