@@ -185,6 +185,18 @@ def measure_link(ranks, size=32 * 2**20, turns=3, group=None):
     big = timed(torch.zeros(size // 4))
     return 2 * ring(W, size) / max(big - 2 * (W - 1) * latency, 1e-9), latency
 
+def measure_links(ranks, nodes):
+    """((bytes a second, latency) across nodes, the same inside a node). Several nodes of several ranks each: timed
+    apart, every node's ranks together (shared memory), then every node's i-th ranks together (the network, as
+    data-parallel or pipeline traffic crosses it: all ranks of a node at once). Otherwise one link, timed once."""
+    sizes = {len(n) for n in nodes}
+    if len(nodes) == 1 or sizes != {len(nodes[0])} or len(nodes[0]) == 1:
+        link = measure_link(ranks)
+        return link, link
+    inside, _ = torch.distributed.new_subgroups_by_enumeration(nodes)
+    across, _ = torch.distributed.new_subgroups_by_enumeration([list(i) for i in zip(*nodes)])
+    return measure_link(ranks, group=across), measure_link(ranks, group=inside)
+
 def time_block(make_block, rows, seq_len, n_embd, autocast, ranks, turns=3):
     """Seconds of one block's forward and backward at the run's micro-batch, eager, the slowest rank's best, timed on
     every rank at once (ranks that share a node's cores slow each other down in training too)."""
@@ -202,18 +214,6 @@ def time_block(make_block, rows, seq_len, n_embd, autocast, ranks, turns=3):
 
 # -----------------------------------------------------------------------------
 # The prediction, and the choice
-
-def measure_links(ranks, nodes):
-    """((bytes a second, latency) across nodes, the same inside a node). Several nodes of several ranks each: timed
-    apart, every node's ranks together (shared memory), then every node's i-th ranks together (the network, as
-    data-parallel or pipeline traffic crosses it: all ranks of a node at once). Otherwise one link, timed once."""
-    sizes = {len(n) for n in nodes}
-    if len(nodes) == 1 or sizes != {len(nodes[0])} or len(nodes[0]) == 1:
-        link = measure_link(ranks)
-        return link, link
-    inside, _ = torch.distributed.new_subgroups_by_enumeration(nodes)
-    across, _ = torch.distributed.new_subgroups_by_enumeration([list(i) for i in zip(*nodes)])
-    return measure_link(ranks, group=across), measure_link(ranks, group=inside)
 
 def predict(layout, config, world, seq_len, micro_steps, block_seconds, link, inside=None):
     """Seconds of a step: the busiest rank's compute (each micro-step runs its blocks forward and backward, and the
