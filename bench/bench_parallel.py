@@ -260,7 +260,7 @@ def main():
     for rate in rates:
         parse_rate(rate)
     print(cpu.describe_cpu(args.threads) + f" per rank, {args.ranks} ranks sharing {os.cpu_count()} CPU(s)")
-    print(f"nodes: {args.ranks // args.ranks_per_node} hostnames, {args.ranks_per_node} rank(s) each")
+    print(f"nodes: {args.ranks // args.ranks_per_node} hostname(s), {args.ranks_per_node} rank(s) each")
     print(f"model: {args.n_layer} layers, {args.n_embd} wide, {args.n_head} heads; rows of {args.seq_len}, "
           f"{args.tokens} tokens a step, {args.dtype}; bytes and times over steps 1-{args.steps}")
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))  # (Ctrl-C raises KeyboardInterrupt) the finally cleans up
