@@ -198,8 +198,9 @@ def measure_links(ranks, nodes):
     return measure_link(ranks, group=across), measure_link(ranks, group=inside)
 
 def time_block(make_block, rows, seq_len, n_embd, autocast, ranks, turns=3):
-    """Seconds of one block's forward and backward at the run's micro-batch, eager, the slowest rank's best, timed on
-    every rank at once (ranks that share a node's cores slow each other down in training too)."""
+    """Seconds of one block's forward and backward at the run's micro-batch, eager, timed on every rank at once (ranks
+    that share a node's cores slow each other down in training too): the best turn's slowest rank. (Not each rank's
+    best turn: with more ranks than cores, each rank's best is a turn in which it happened to run alone.)"""
     block = make_block()
     x = torch.randn(rows, seq_len, n_embd, requires_grad=True)
     best = math.inf
@@ -209,8 +210,8 @@ def time_block(make_block, rows, seq_len, n_embd, autocast, ranks, turns=3):
         with autocast:
             y = block(x)
         y.float().sum().backward()
-        best = min(best, time.perf_counter() - start)
-    return slowest(best, ranks)
+        best = min(best, slowest(time.perf_counter() - start, ranks))
+    return best
 
 # -----------------------------------------------------------------------------
 # The prediction, and the choice
