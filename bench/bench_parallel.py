@@ -7,8 +7,10 @@ What does each parallel layout send over the links, and what does it cost in ste
 
 Each rank is a host of its own: a network namespace with one veth link into a bridge (in a hub namespace of its
 own), its address only inside the namespaces this script creates, the link rate-limited with tc's token bucket
-(tbf), as a cluster of CPU nodes on ordinary Ethernet would be. Every rank runs train_gpt2.py, launched with
-torchrun's variables (MASTER_ADDR = rank 0's address), on random tokens, without evaluation or checkpoints.
+(tbf), as a cluster of CPU nodes on ordinary Ethernet would be, with a hostname of its own (a UTS namespace;
+--ranks_per_node K: K consecutive ranks share one, a node to --parallel auto). Every rank runs train_gpt2.py,
+launched with torchrun's variables (MASTER_ADDR = rank 0's address), on random tokens, without evaluation or
+checkpoints.
 
 Bytes sent: each rank's link counter (the hub's port: what arrives there is what the rank sent), read when rank 0
 prints its first measured step and again when it prints its last: rank 0 prints a step before the all-reduce that
@@ -151,19 +153,23 @@ def run_layout(net, flags, args, data_dir, log_dir, port):
            "--warmup_steps", 1, "--eval_interval", 0, "--sample_interval", 0, "--hellaswag_interval", 0,
            "--checkpoint_interval", 0, "--dtype", args.dtype, "--threads", args.threads, "--dist_timeout", 1800,
            *([] if args.compile else ["--no-compile"]), *flags]
-    procs = []
+    procs, per_node = [], args.ranks_per_node
     try:
         for rank, ns in enumerate(net.hosts):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                       MASTER_ADDR=net.addresses[0], MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="eth0",
-                       PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(args.threads))
-            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *map(str, cmd)], cwd=REPO, env=env, text=True,
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank % per_node),
+                       LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR=net.addresses[0], MASTER_PORT=str(port),
+                       GLOO_SOCKET_IFNAME="eth0", PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(args.threads))
+            # a node's hostname (a UTS namespace of the rank's own): consecutive ranks on one node, as launchers do
+            named = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', f"{PREFIX}node{rank // per_node}"]
+            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *named, *map(str, cmd)], cwd=REPO, env=env, text=True,
                                           stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
                                           stderr=subprocess.PIPE, preexec_fn=common.die_with_parent(signal.SIGTERM)))
         lines, marks = [], {}
         for line in procs[0].stdout:  # rank 0 prints each step before the all-reduce that ends it (see the docstring)
             if m := re.match(r"step\s+(\d+) \|", line):
                 marks[int(m.group(1))] = net.sent()
+                print(f"    {line.rstrip()}", flush=True)
+            elif line.startswith("parallel:"):  # --parallel auto's lines: what it measured and predicted
                 print(f"    {line.rstrip()}", flush=True)
             lines.append(line)
         codes = [p.wait() for p in procs]
@@ -234,6 +240,8 @@ def main():
                    "layout costs minutes here)")
     p.add_argument("--auto", type=float, default=None, metavar="GIB", help="also run --parallel auto with --max_memory "
                    "GIB (below DDP's need) at each rate: its predicted step for every layout beside the measured, its choice")
+    p.add_argument("--ranks_per_node", type=int, default=1, help="ranks given one hostname (a node, to --parallel "
+                   "auto: tensor parallel inside it, its link timed apart); every rank keeps a link of its own")
     args = p.parse_args()
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
         print("bench_parallel: needs root and iproute2 (ip, tc) to make network namespaces and rate-limited links; "
@@ -246,10 +254,13 @@ def main():
     names = [s for s in args.layouts.split(",") if s] or list(known)
     if unknown := [s for s in names if s not in known]:
         raise SystemExit(f"error: --layouts {','.join(unknown)}: not a layout on {args.ranks} ranks ({', '.join(known)})")
+    if args.ranks_per_node < 1 or args.ranks % args.ranks_per_node:
+        raise SystemExit(f"error: --ranks_per_node {args.ranks_per_node}: must divide --ranks {args.ranks}")
     rates = args.rates.split(",")
     for rate in rates:
         parse_rate(rate)
     print(cpu.describe_cpu(args.threads) + f" per rank, {args.ranks} ranks sharing {os.cpu_count()} CPU(s)")
+    print(f"nodes: {args.ranks // args.ranks_per_node} hostname(s), {args.ranks_per_node} rank(s) each")
     print(f"model: {args.n_layer} layers, {args.n_embd} wide, {args.n_head} heads; rows of {args.seq_len}, "
           f"{args.tokens} tokens a step, {args.dtype}; bytes and times over steps 1-{args.steps}")
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))  # (Ctrl-C raises KeyboardInterrupt) the finally cleans up

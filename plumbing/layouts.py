@@ -4,16 +4,21 @@ decided from the CPU: measured, predicted, and said in one line.
 
   - If every rank can hold the whole training state and a micro-batch's activations in 90% of its free memory (or of
     --max_memory), data parallel (DDP), as always: nothing is measured but each rank's free memory.
-  - Otherwise, for every layout that fits (FSDP, ZeRO-2, a pipeline, a pipeline with data parallel), its step is
-    predicted from what decides it: the compute (one block's forward and backward, timed on every rank at once at
-    the run's shape), the bytes each rank sends (computed, as the plan lines print them) over the link (timed at the
-    start: an all-reduce of 4 bytes for its latency, one of 32 MB for its bandwidth), and the pipeline's bubble.
+  - Otherwise, for every layout that fits (FSDP, ZeRO-2, a pipeline, tensor parallel, either with data parallel),
+    its step is predicted from what decides it: the compute (one block's forward and backward, timed on every rank at
+    once at the run's shape), the bytes each rank sends (computed, as the plan lines print them) over the link (timed
+    at the start: an all-reduce of 4 bytes for its latency, one of 32 MB for its bandwidth), and the pipeline's bubble.
     The fastest prediction wins; the line gives it, the runner-up, and the flag that forces another.
+  - Nodes: ranks with one hostname share a node (shared memory between them, the network between nodes). Tensor
+    parallel, whose all-reduces are every block's, is offered only where its groups lie inside a node; with several
+    nodes of several ranks, the link inside a node and the one across are timed apart, TP's bytes go over the first,
+    everything else's (data parallel, FSDP, the pipeline) over the second.
 
 The predictions assume nothing overlaps: compute, then sending. DDP and FSDP do overlap some of their sending with the
 backward, so they run faster than predicted where both take long (docs/parallel.md has the measured table).
 """
 import math
+import socket
 import time
 from dataclasses import dataclass
 
@@ -33,6 +38,7 @@ class Layout:
     tp: int = 1  # --tp (tensor-parallel ranks); data-parallel replicas: world // (pp x tp)
     memory: float = 0.0  # bytes a rank needs at most (training state, gathered weights, activations)
     sent: float = 0.0  # bytes the busiest rank sends a step
+    sent_inside: float = 0.0  # of them, the bytes that stay inside a node (tensor parallel's all-reduces)
     seconds: float = 0.0  # the predicted step
 
     def flags(self):
@@ -98,7 +104,7 @@ def plan(layout, config, world, rows, seq_len, micro_steps, bf16):
         held, tp_bytes, dp_bytes = tensor_parallel.rank_plan(config, t, dp, rows, seq_len, micro_steps,
                                                              "bf16" if bf16 else "fp32")
         layout.memory = (STATE_BYTES + 4 * (dp > 1)) * held + acts(L) * (1 + 1 / t) / 2  # (about half of them split)
-        layout.sent = tp_bytes + dp_bytes
+        layout.sent, layout.sent_inside = tp_bytes + dp_bytes, tp_bytes
     else:  # pipeline: the busiest stage; 1F1B keeps at most pp micro-batches' activations on the first stage
         dp = world // layout.pp
         bounds, _ = stages(config, layout.pp, seq_len)
@@ -108,13 +114,36 @@ def plan(layout, config, world, rows, seq_len, micro_steps, bf16):
         layout.sent = max(sent for _, _, sent in held)
     return layout
 
-def candidates(config, world, pp_stages_ok, tp=True):
+def candidates(config, world, pp_stages_ok, tp=True, hostnames=None):
     """Every layout this world size can run: DDP, FSDP, ZeRO-2, pipelines of every stage count that divides it, and
-    tensor parallel over every rank count that divides it and the heads."""
+    tensor parallel over every rank count that divides it and the heads, and whose groups lie inside a node
+    (hostnames: each rank's; None: all on one node)."""
     layouts = [Layout(name, *FORCED[name]) for name in ("dp", "fsdp", "fsdp_grads")]
     layouts += [Layout("pp", "none", pp) for pp in range(2, world + 1) if world % pp == 0 and pp_stages_ok(pp)]
-    layouts += [Layout("tp", "none", 1, t) for t in range(2, world + 1) if tp and world % t == 0 and config.n_head % t == 0]
+    layouts += [Layout("tp", "none", 1, t) for t in range(2, world + 1) if tp and world % t == 0 and
+                config.n_head % t == 0 and inside_nodes(t, hostnames or [""] * world)]
     return layouts
+
+# -----------------------------------------------------------------------------
+# Which ranks share a node: their hostnames
+
+def nodes_of(hostnames):
+    """[[the ranks of a node], ...] from each rank's hostname, nodes in the order of their first rank."""
+    nodes = {}
+    for rank, host in enumerate(hostnames):
+        nodes.setdefault(host, []).append(rank)
+    return list(nodes.values())
+
+def inside_nodes(tp, hostnames):
+    """Whether every tensor-parallel group lies inside one node: its tp consecutive ranks (tensor_parallel.py's mesh,
+    rank r in group r // tp) share a hostname. Launchers (torchrun, mpirun, srun by block) put consecutive ranks on
+    one node, so this holds where tp divides the ranks per node; TP's all-reduces, every block's, never cross a network."""
+    return all(len(set(hostnames[i:i + tp])) == 1 for i in range(0, len(hostnames), tp))
+
+def describe_nodes(nodes):
+    sizes = sorted({len(n) for n in nodes})
+    each = f"{sizes[0]} rank" + "s" * (sizes[0] > 1) if len(sizes) == 1 else "/".join(map(str, sizes)) + " ranks"
+    return f"{len(nodes)} node" + "s" * (len(nodes) > 1) + f" x {each}"
 
 # -----------------------------------------------------------------------------
 # What is measured: free memory, the link, one block's compute
@@ -139,25 +168,39 @@ def slowest(seconds, ranks):
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return t.item()
 
-def measure_link(ranks, size=32 * 2**20, turns=3):
+def measure_link(ranks, size=32 * 2**20, turns=3, group=None):
     """(bytes a second, seconds of latency) of the links, from all-reduces timed on every rank at once: 4 bytes (its
-    time is 2 (world - 1) messages' latency) and `size` bytes (a ring: each rank sends 2 (world-1)/world x size)."""
-    W = ranks.world_size
+    time is 2 (W - 1) messages' latency) and `size` bytes (a ring: each rank sends 2 (W-1)/W x size), over all the
+    ranks or, every rank in one, over groups of W ranks (inside a node, or one rank of each node)."""
+    W = torch.distributed.get_world_size(group)
     def timed(t):
         best = math.inf
         for _ in range(turns):
             torch.distributed.barrier()
             start = time.perf_counter()
-            torch.distributed.all_reduce(t)
+            torch.distributed.all_reduce(t, group=group)
             best = min(best, slowest(time.perf_counter() - start, ranks))
         return best
     latency = timed(torch.zeros(1)) / (2 * (W - 1))
     big = timed(torch.zeros(size // 4))
     return 2 * ring(W, size) / max(big - 2 * (W - 1) * latency, 1e-9), latency
 
+def measure_links(ranks, nodes):
+    """((bytes a second, latency) across nodes, the same inside a node). Several nodes of several ranks each: timed
+    apart, every node's ranks together (shared memory), then every node's i-th ranks together (the network, as
+    data-parallel or pipeline traffic crosses it: all ranks of a node at once). Otherwise one link, timed once."""
+    sizes = {len(n) for n in nodes}
+    if len(nodes) == 1 or sizes != {len(nodes[0])} or len(nodes[0]) == 1:
+        link = measure_link(ranks)
+        return link, link
+    inside, _ = torch.distributed.new_subgroups_by_enumeration(nodes)
+    across, _ = torch.distributed.new_subgroups_by_enumeration([list(i) for i in zip(*nodes)])
+    return measure_link(ranks, group=across), measure_link(ranks, group=inside)
+
 def time_block(make_block, rows, seq_len, n_embd, autocast, ranks, turns=3):
-    """Seconds of one block's forward and backward at the run's micro-batch, eager, the slowest rank's best, timed on
-    every rank at once (ranks that share a node's cores slow each other down in training too)."""
+    """Seconds of one block's forward and backward at the run's micro-batch, eager, timed on every rank at once (ranks
+    that share a node's cores slow each other down in training too): the best turn's slowest rank. (Not each rank's
+    best turn: with more ranks than cores, each rank's best is a turn in which it happened to run alone.)"""
     block = make_block()
     x = torch.randn(rows, seq_len, n_embd, requires_grad=True)
     best = math.inf
@@ -167,29 +210,31 @@ def time_block(make_block, rows, seq_len, n_embd, autocast, ranks, turns=3):
         with autocast:
             y = block(x)
         y.float().sum().backward()
-        best = min(best, time.perf_counter() - start)
-    return slowest(best, ranks)
+        best = min(best, slowest(time.perf_counter() - start, ranks))
+    return best
 
 # -----------------------------------------------------------------------------
 # The prediction, and the choice
 
-def predict(layout, config, world, seq_len, micro_steps, block_seconds, link):
+def predict(layout, config, world, seq_len, micro_steps, block_seconds, link, inside=None):
     """Seconds of a step: the busiest rank's compute (each micro-step runs its blocks forward and backward, and the
-    last stage lm_head and the loss, counted in blocks by their FLOPs), then its sending over the link; a pipeline of N
-    stages runs M + N - 1 micro-steps' worth of its slowest stage (the bubble: (N-1)/(M+N-1) idle)."""
-    bandwidth, latency = link
+    last stage lm_head and the loss, counted in blocks by their FLOPs), then its sending: tensor parallel's all-reduces
+    over the link inside a node (inside: (bytes a second, latency); default the link), the rest over the link across
+    nodes; a pipeline of N stages runs M + N - 1 micro-steps' worth of its slowest stage (the bubble: (N-1)/(M+N-1) idle)."""
+    (bandwidth, latency), (inside_bandwidth, inside_latency) = link, inside or link
     L = config.n_layer
     block_cost, head_cost = stage_split.stage_costs(config, seq_len)
     if layout.tp > 1:  # the blocks' work split; the embeddings, lm_head and the loss done by every rank
         compute = micro_steps * (L / layout.tp + head_cost / block_cost) * block_seconds
-        messages = micro_steps * L * 4
+        messages, latency = micro_steps * L * 4, inside_latency  # every block's all-reduces, inside a node
     elif layout.pp == 1:
         compute = micro_steps * (L + head_cost / block_cost) * block_seconds
         messages = micro_steps * 3 * (L + 1) if layout.name == "fsdp" else 3 * (L + 1)
     else:
         compute = (micro_steps + layout.pp - 1) * stages(config, layout.pp, seq_len)[1] * block_seconds
         messages = 2 * micro_steps + 2
-    layout.seconds = compute + layout.sent / bandwidth + messages * 2 * (world - 1) * latency
+    sending = (layout.sent - layout.sent_inside) / bandwidth + layout.sent_inside / inside_bandwidth
+    layout.seconds = compute + sending + messages * 2 * (world - 1) * latency
     return layout
 
 def choose(layouts, free, fits_alone):
@@ -224,19 +269,24 @@ def decide(args, config, ranks, bf16, autocast, make_block):
     W = ranks.world_size
     free = free_memory(ranks, args.max_memory)
     micro = lambda dp: args.total_batch_size // (args.batch_size * args.seq_len * dp)  # noqa: E731
-    layouts = [plan(l, config, W, args.batch_size, args.seq_len, micro(W // (l.pp * l.tp)), bf16)
-               for l in candidates(config, W, lambda pp: pp <= config.n_layer and micro(W // pp) >= pp, tp=hasattr(args, "tp"))]
-    dp = layouts[0]
+    planned = lambda l: plan(l, config, W, args.batch_size, args.seq_len, micro(W // (l.pp * l.tp)), bf16)  # noqa: E731
+    dp = planned(Layout("dp", *FORCED["dp"]))
     if dp.memory <= HEADROOM * free:
         return dp, (f"parallel: {dp.describe(W)}: the training state and activations, ~{gib(dp.memory)} a rank, fit "
                     f"in {HEADROOM:.0%} of the {gib(free)} free on each (--parallel fsdp, fsdp_grads or pp forces another)")
-    link = measure_link(ranks)
+    hostnames = [None] * W  # which ranks share a node: TP only inside one, its links measured apart from the network's
+    torch.distributed.all_gather_object(hostnames, socket.gethostname())
+    nodes = nodes_of(hostnames)
+    layouts = [planned(l) for l in candidates(config, W, lambda pp: pp <= config.n_layer and micro(W // pp) >= pp,
+                                              tp=hasattr(args, "tp"), hostnames=hostnames)]
+    link, inside = measure_links(ranks, nodes)
     block_seconds = time_block(make_block, args.batch_size, args.seq_len, config.n_embd, autocast, ranks)
     for layout in layouts:
-        predict(layout, config, W, args.seq_len, micro(W // (layout.pp * layout.tp)), block_seconds, link)
+        predict(layout, config, W, args.seq_len, micro(W // (layout.pp * layout.tp)), block_seconds, link, inside)
     chosen, runner_up = choose(layouts, free, fits_alone=False)
-    measured = (f"link {link[0] / 1e6:.0f} MB/s, {link[1] * 1e6:.0f} us; a block {block_seconds * 1000:.0f} ms; "
-                f"{gib(free)} free a rank")
+    speed = lambda l: f"{l[0] / 1e6:.0f} MB/s, {l[1] * 1e6:.0f} us"  # noqa: E731
+    measured = (f"link {speed(link)}" + (f" across nodes, {speed(inside)} inside one" if inside is not link else "") +
+                f"; a block {block_seconds * 1000:.0f} ms; {gib(free)} free a rank; {describe_nodes(nodes)}")
     if chosen is None:
         least = min(layouts, key=lambda l: l.memory)
         raise SystemExit(f"error: --parallel auto: no layout fits in {HEADROOM:.0%} of the {gib(free)} free on each "

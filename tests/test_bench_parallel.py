@@ -52,6 +52,25 @@ def test_measured_bytes_are_the_computed_ones():
     assert not re.search(rf"^gpt2pb{bench.pid % 100000}(hub|r\d+)\b", left, re.M), left
 
 
+def test_ranks_sharing_a_hostname_are_a_node_to_parallel_auto():
+    """4 ranks, 2 hostnames (--ranks_per_node 2: each rank its own namespace and UTS namespace): --parallel auto finds
+    2 nodes of 2, times the link inside a node and the one across apart, and offers tensor parallel over 2 ranks (a
+    node's) but not over 4 (across the network)."""
+    if not can_make_namespaces():
+        pytest.skip("bench_parallel.py needs root and iproute2 (ip, tc) to make network namespaces")
+    proc = subprocess.run([sys.executable, "bench/bench_parallel.py", "--ranks", "4", "--ranks_per_node", "2",
+                           "--layouts", "grads", "--n_layer", "2", "--n_head", "4", "--n_embd", "32", "--seq_len", "32",
+                           "--tokens", "256", "--steps", "1", "--rates", "1gbit", "--auto", "0.035"], cwd=REPO,
+                          capture_output=True, text=True, env=clean_env(), timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = re.search(r"parallel: .*\(predicted; link \d+ MB/s, \d+ us across nodes, \d+ MB/s, \d+ us inside one; "
+                     r".*; 2 nodes x 2 ranks\)", proc.stdout)
+    every = re.search(r"parallel: every layout's predicted step: (.*)", proc.stdout)
+    assert line and every, proc.stdout
+    print(line.group(0), every.group(0), sep="\n")
+    assert "tp 2 " in every.group(1) and "tp 4" not in every.group(1), every.group(1)
+
+
 def test_without_root_it_says_so_and_exits_0(tmp_path):
     """As a user without root: one line, exit 0, nothing created."""
     if os.geteuid() != 0:

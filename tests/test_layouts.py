@@ -4,7 +4,7 @@ import re
 import pytest
 
 from conftest import clean_env, final_weights_diff, make_shards, read_log, run_launched, run_train, tiny_run_args, torchrun
-from plumbing import layouts
+from plumbing import layouts, tensor_parallel
 from train_gpt2 import GPTConfig, PADDED_VOCAB_SIZE
 
 GPT2 = GPTConfig(block_size=1024, vocab_size=PADDED_VOCAB_SIZE, n_layer=12, n_head=12, n_embd=768)
@@ -67,6 +67,32 @@ def test_slow_links_choose_the_pipeline_fast_ones_the_least_compute():
     # nothing fits: no choice; DDP fits: DDP, unmeasured
     assert layouts.choose(list(p.values()), 1e6, fits_alone=False) == (None, None)
     assert layouts.choose(list(p.values()), 10 * p["dp"].memory, fits_alone=True)[0].name == "dp"
+
+
+def test_nodes_from_hostnames_keep_tensor_parallel_inside_one():
+    """Ranks grouped by hostname; TP only where its groups (consecutive ranks) share a node; TP's bytes over the link
+    inside a node, the rest over the one across nodes."""
+    assert layouts.nodes_of(["a", "a", "b", "b"]) == [[0, 1], [2, 3]]
+    assert layouts.nodes_of(["b", "a", "b"]) == [[0, 2], [1]]
+    assert layouts.describe_nodes([[0, 1], [2, 3]]) == "2 nodes x 2 ranks"
+    assert layouts.describe_nodes([[0], [1], [2]]) == "3 nodes x 1 rank"
+    assert layouts.describe_nodes([[0, 1, 2]]) == "1 node x 3 ranks"
+    config = GPTConfig(block_size=64, vocab_size=PADDED_VOCAB_SIZE, n_layer=2, n_head=4, n_embd=32)
+    def tp_degrees(hostnames):
+        return [l.tp for l in layouts.candidates(config, len(hostnames), lambda pp: True, hostnames=hostnames) if l.tp > 1]
+    assert tp_degrees(["a"] * 4) == [2, 4]  # one node: any degree that divides the ranks and the heads
+    assert tp_degrees(["a", "a", "b", "b"]) == [2]  # tp 4 would cross the network
+    assert tp_degrees(["a", "b", "a", "b"]) == []  # (a launcher that deals ranks round-robin: no group inside a node)
+    assert tp_degrees(["a", "b", "c"]) == [] and tp_degrees(["a"] * 3) == []  # (3 does not divide the 4 heads)
+    assert [l.pp for l in layouts.candidates(config, 4, lambda pp: True, hostnames=["a", "b", "c", "d"])
+            if l.pp > 1] == [2, 4]  # pipelines and data parallel across nodes as before
+    # tp 2 x dp 2 on 2 nodes: the activations' all-reduces at shared memory's rate, the gradients' at the network's
+    tp = layouts.plan(layouts.Layout("tp", "none", 1, 2), config, 4, 2, 32, 3, False)
+    tp_bytes = tensor_parallel.rank_plan(config, 2, 2, 2, 32, 3, "fp32")[1]
+    assert tp.sent_inside == tp_bytes and tp.sent > tp_bytes
+    network, shared = (1e8, 0.0), (1e10, 0.0)
+    layouts.predict(tp, config, 4, 32, 3, 0.0, network, shared)
+    assert tp.seconds == pytest.approx((tp.sent - tp_bytes) / 1e8 + tp_bytes / 1e10)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Tensor parallel (--tp, plumbing/tensor_parallel.py), proven equal to one process: 2 ranks, and 2 replicas x 2 ranks
-(losses, val losses, clipping's norms, final weights within 1e-5); checkpoints that cross layouts both ways; c_attn's
-regrouping of q, k and v by heads; the plan line's parameters per rank; the layouts refused with one line.
+(losses, val losses, clipping's norms, final weights within 1e-5; the exported checkpoint in transformers); checkpoints
+that cross layouts both ways; c_attn's regrouping of q, k and v by heads; the plan line's parameters per rank; the
+layouts refused with one line.
 
 The tiny model (2 heads, 32 wide): with --tp 2 each rank computes one head and 64 of the MLP's 128 columns.
 """
@@ -57,7 +58,7 @@ def tiny_shares(tp):
 def test_tensor_parallel_equals_one_process(data, single, tp2, tmp_path, ranks):
     """The losses of 6 steps, the val losses, the gradient norms (clipping's: split gradients summed over the ranks,
     replicated ones counted once) and the final weights of one process; the run's end check has found the replicas
-    equal (it stops the run otherwise)."""
+    equal (it stops the run otherwise); its last checkpoint, exported, is the trained model in transformers."""
     if ranks == 2:
         log_dir, proc = tp2
     else:
@@ -72,6 +73,26 @@ def test_tensor_parallel_equals_one_process(data, single, tp2, tmp_path, ranks):
     norms, reference = printed_norms(proc.stdout), printed_norms(single[1].stdout)
     assert len(norms) == 6 and max(abs(a - b) for a, b in zip(norms, reference)) <= 2e-4, (norms, reference)
     assert re.search(rf"parameter sha256 \(all {ranks} rank\(s\)\): [0-9a-f]{{64}}", proc.stdout)
+    assert_exported_equals_trained(log_dir, single[0], tmp_path / "hf")
+
+
+def assert_exported_equals_trained(log_dir, single_dir, out):
+    """The run's last checkpoint through export_hf.py: transformers' GPT2LMHeadModel gives the logits (and greedy
+    tokens) of our model from that checkpoint, and the logits of the one-process run's last checkpoint. (The second
+    is what catches a c_attn left in the ranks' order: our model and the export would read it alike, both wrong.)"""
+    from transformers import GPT2LMHeadModel
+    from test_export import assert_same_as_transformers, run_export
+    ckpt = train_gpt2.list_checkpoints(str(log_dir))[-1]
+    proc = run_export(ckpt, out)
+    assert proc.returncode == 0, proc.stderr
+    assert_same_as_transformers(train_gpt2.load_model(ckpt)[0], str(out))
+    one_process = train_gpt2.load_model(train_gpt2.list_checkpoints(str(single_dir))[-1])[0].eval()
+    idx = torch.randint(0, 50257, (2, one_process.config.block_size), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs, (mine, _) = GPT2LMHeadModel.from_pretrained(str(out)).eval()(idx).logits, one_process(idx)
+    diff = (theirs - mine[..., :50257]).abs().max().item()
+    print(f"exported --tp checkpoint vs the one-process run, in transformers: max abs logit difference {diff:.1e}")
+    assert diff <= TOL
 
 
 def stopped_after_step_3(run_dir, copy):
