@@ -18,13 +18,14 @@ The predictions assume nothing overlaps: compute, then sending. DDP and FSDP do 
 backward, so they run faster than predicted where both take long (docs/parallel.md has the measured table).
 """
 import math
+import os
 import socket
 import time
 from dataclasses import dataclass
 
 import torch
 
-from plumbing import sharding, stage_split, tensor_parallel
+from plumbing import cpu, sharding, stage_split, tensor_parallel
 
 FORCED = {"dp": ("none", 1), "fsdp": ("full", 1), "fsdp_grads": ("grads", 1)}  # --parallel NAME: (--shard, --pp)
 HEADROOM = 0.9  # a layout must fit in this share of the free memory: the rest is for what the estimate leaves out
@@ -140,6 +141,16 @@ def inside_nodes(tp, hostnames):
     one node, so this holds where tp divides the ranks per node; TP's all-reduces, every block's, never cross a network."""
     return all(len(set(hostnames[i:i + tp])) == 1 for i in range(0, len(hostnames), tp))
 
+def crowding(ranks, hostnames):
+    """How many times more torch threads than physical cores the most crowded node's ranks have, at least 1: 3 ranks
+    of a thread each on 2 cores (namespaces as hosts, or an oversubscribed node) are 1.5. Each rank counts its node's
+    cores from the CPUs its node's ranks may run on, as this machine's /proc/cpuinfo pairs them into cores."""
+    mine = [None] * ranks.world_size
+    torch.distributed.all_gather_object(mine, (sorted(os.sched_getaffinity(0)), torch.get_num_threads()))
+    node = [mine[r] for r, host in enumerate(hostnames) if host == socket.gethostname()]
+    cores = cpu.physical_cores(set().union(*(cpus for cpus, _ in node)))
+    return slowest(max(1.0, sum(threads for _, threads in node) / max(1, cores)), ranks)  # (the largest: MAX)
+
 def describe_nodes(nodes):
     sizes = sorted({len(n) for n in nodes})
     each = f"{sizes[0]} rank" + "s" * (sizes[0] > 1) if len(sizes) == 1 else "/".join(map(str, sizes)) + " ranks"
@@ -216,11 +227,13 @@ def time_block(make_block, rows, seq_len, n_embd, autocast, ranks, turns=3):
 # -----------------------------------------------------------------------------
 # The prediction, and the choice
 
-def predict(layout, config, world, seq_len, micro_steps, block_seconds, link, inside=None):
+def predict(layout, config, world, seq_len, micro_steps, block_seconds, link, inside=None, crowd=1.0):
     """Seconds of a step: the busiest rank's compute (each micro-step runs its blocks forward and backward, and the
     last stage lm_head and the loss, counted in blocks by their FLOPs), then its sending: tensor parallel's all-reduces
     over the link inside a node (inside: (bytes a second, latency); default the link), the rest over the link across
-    nodes; a pipeline of N stages runs M + N - 1 micro-steps' worth of its slowest stage (the bubble: (N-1)/(M+N-1) idle)."""
+    nodes; a pipeline of N stages runs M + N - 1 micro-steps' worth of its slowest stage (the bubble: (N-1)/(M+N-1) idle).
+    crowd: how many times more threads than cores a node's ranks have (crowding(), at least 1); block_seconds is a block
+    timed with every rank busy, so a rank alone runs it crowd times faster."""
     (bandwidth, latency), (inside_bandwidth, inside_latency) = link, inside or link
     L = config.n_layer
     block_cost, head_cost = stage_split.stage_costs(config, seq_len)
@@ -231,7 +244,11 @@ def predict(layout, config, world, seq_len, micro_steps, block_seconds, link, in
         compute = micro_steps * (L + head_cost / block_cost) * block_seconds
         messages = micro_steps * 3 * (L + 1) if layout.name == "fsdp" else 3 * (L + 1)
     else:
-        compute = (micro_steps + layout.pp - 1) * stages(config, layout.pp, seq_len)[1] * block_seconds
+        chain = (micro_steps + layout.pp - 1) * stages(config, layout.pp, seq_len)[1] * block_seconds / crowd
+        # On crowded cores the lighter stages' and the bubble's idle time is lent to the busy stage (3 ranks on 2
+        # cores: ZeRO-2 predicted ahead, the pipeline measured 1.19x faster), so the node's cores, all busy with the
+        # whole step's work, bound it instead; with a core for every thread (crowd 1) the chain is always longer.
+        compute = max(chain, micro_steps * (L + head_cost / block_cost) * block_seconds / layout.pp)
         messages = 2 * micro_steps + 2
     sending = (layout.sent - layout.sent_inside) / bandwidth + layout.sent_inside / inside_bandwidth
     layout.seconds = compute + sending + messages * 2 * (world - 1) * latency
@@ -276,17 +293,18 @@ def decide(args, config, ranks, bf16, autocast, make_block):
                     f"in {HEADROOM:.0%} of the {gib(free)} free on each (--parallel fsdp, fsdp_grads or pp forces another)")
     hostnames = [None] * W  # which ranks share a node: TP only inside one, its links measured apart from the network's
     torch.distributed.all_gather_object(hostnames, socket.gethostname())
-    nodes = nodes_of(hostnames)
+    nodes, crowd = nodes_of(hostnames), crowding(ranks, hostnames)
     layouts = [planned(l) for l in candidates(config, W, lambda pp: pp <= config.n_layer and micro(W // pp) >= pp,
                                               tp=hasattr(args, "tp"), hostnames=hostnames)]
     link, inside = measure_links(ranks, nodes)
     block_seconds = time_block(make_block, args.batch_size, args.seq_len, config.n_embd, autocast, ranks)
     for layout in layouts:
-        predict(layout, config, W, args.seq_len, micro(W // (layout.pp * layout.tp)), block_seconds, link, inside)
+        predict(layout, config, W, args.seq_len, micro(W // (layout.pp * layout.tp)), block_seconds, link, inside, crowd)
     chosen, runner_up = choose(layouts, free, fits_alone=False)
     speed = lambda l: f"{l[0] / 1e6:.0f} MB/s, {l[1] * 1e6:.0f} us"  # noqa: E731
     measured = (f"link {speed(link)}" + (f" across nodes, {speed(inside)} inside one" if inside is not link else "") +
-                f"; a block {block_seconds * 1000:.0f} ms; {gib(free)} free a rank; {describe_nodes(nodes)}")
+                f"; a block {block_seconds * 1000:.0f} ms; {gib(free)} free a rank; {describe_nodes(nodes)}" +
+                (f", {crowd:.2g} threads a core" if crowd > 1 else ""))
     if chosen is None:
         least = min(layouts, key=lambda l: l.memory)
         raise SystemExit(f"error: --parallel auto: no layout fits in {HEADROOM:.0%} of the {gib(free)} free on each "

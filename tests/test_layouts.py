@@ -69,6 +69,28 @@ def test_slow_links_choose_the_pipeline_fast_ones_the_least_compute():
     assert layouts.choose(list(p.values()), 10 * p["dp"].memory, fits_alone=True)[0].name == "dp"
 
 
+def test_ranks_crowding_a_nodes_cores_lend_a_pipelines_idle_time():
+    """3 ranks of a thread each on a 2-core node (the benchmark's namespaces) crowd it 1.5x: a block timed with all
+    busy runs 1.5x faster alone, and a pipeline's lighter stages and bubble leave their core time to its busiest
+    stage, so the step is bounded by the whole step's work on the node's cores. Measured at 10 Gbit/s there: the
+    pipeline 26.4 s, ZeRO-2 31.4 s, where the chain at the all-busy speed predicted 31.8 s and chose ZeRO-2."""
+    p = planned()
+    free = 1.05 * max(l.memory for name, l in p.items() if name != "dp") / layouts.HEADROOM
+    block_cost, head_cost = layouts.stage_split.stage_costs(GPT2, 256)
+    whole, slowest_stage = GPT2.n_layer + head_cost / block_cost, layouts.stages(GPT2, 3, 256)[1]
+    seconds, chosen = {}, {}
+    for crowd in (1.0, 1.5):
+        for layout in p.values():
+            layouts.predict(layout, GPT2, 3, 256, micro_steps(layout), 0.197, (1.25e9, 50e-6), crowd=crowd)
+        seconds[crowd] = {name: l.seconds for name, l in p.items()}
+        chosen[crowd] = layouts.choose(list(p.values()), free, fits_alone=False)[0].name
+    sending = seconds[1.0]["pp3"] - (24 + 2) * slowest_stage * 0.197
+    assert seconds[1.5]["pp3"] == pytest.approx(24 * whole * 0.197 / 3 + sending)  # the node's cores bound it
+    assert seconds[1.5]["pp3"] < seconds[1.0]["pp3"] and chosen == {1.0: "fsdp_grads", 1.5: "pp"}
+    for name in ("fsdp", "fsdp_grads", "tp3"):  # every rank busy all along: nothing lent
+        assert seconds[1.5][name] == seconds[1.0][name]
+
+
 def test_nodes_from_hostnames_keep_tensor_parallel_inside_one():
     """Ranks grouped by hostname; TP only where its groups (consecutive ranks) share a node; TP's bytes over the link
     inside a node, the rest over the one across nodes."""
