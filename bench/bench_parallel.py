@@ -210,6 +210,8 @@ def auto_report(rate, results, max_memory):
     auto = next((r for r_rate, name, r in results if r_rate == rate and name == "auto"), None)
     if auto is None or "error" in auto or not auto["predicted"]:
         return f"--parallel auto at {rate}: " + (auto or {}).get("error", "no prediction printed (the model fits: DDP)")
+    if "dt" in auto and auto["chosen"]:  # its own run measures the layout it chose, where --layouts left that out
+        measured.setdefault(auto["chosen"], auto["dt"])
     lines = [f"--parallel auto at {rate}, --max_memory {max_memory} GiB: seconds a step, predicted and measured"]
     for name, seconds in auto["predicted"].items():
         m = measured.get(name)
