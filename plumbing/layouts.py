@@ -9,10 +9,13 @@ decided from the CPU: measured, predicted, and said in one line.
     once at the run's shape), the bytes each rank sends (computed, as the plan lines print them) over the link (timed
     at the start: an all-reduce of 4 bytes for its latency, one of 32 MB for its bandwidth), and the pipeline's bubble.
     The fastest prediction wins; the line gives it, the runner-up, and the flag that forces another.
+  - Layouts that talk inside every block (FSDP gathers each block's weights twice a micro-step, TP all-reduces its
+    activations four times) have that block timed as they run it, collectives and all: their small messages cost
+    far more than the bytes over the link say where the ranks crowd the cores (docs/parallel.md: predicted 0.55x
+    and 0.63x of the measured step that way at 10 Gbit/s).
   - Nodes: ranks with one hostname share a node (shared memory between them, the network between nodes). Tensor
-    parallel, whose all-reduces are every block's, is offered only where its groups lie inside a node; with several
-    nodes of several ranks, the link inside a node and the one across are timed apart, TP's bytes go over the first,
-    everything else's (data parallel, FSDP, the pipeline) over the second.
+    parallel is offered only where its groups lie inside a node (its block is timed there, on that link); with
+    several nodes of several ranks, the link across nodes is timed between one rank of each node.
 
 The predictions assume nothing overlaps: compute, then sending. DDP and FSDP do overlap some of their sending with the
 backward, so they run faster than predicted where both take long (docs/parallel.md has the measured table).
@@ -39,7 +42,8 @@ class Layout:
     tp: int = 1  # --tp (tensor-parallel ranks); data-parallel replicas: world // (pp x tp)
     memory: float = 0.0  # bytes a rank needs at most (training state, gathered weights, activations)
     sent: float = 0.0  # bytes the busiest rank sends a step
-    sent_inside: float = 0.0  # of them, the bytes that stay inside a node (tensor parallel's all-reduces)
+    sent_in_blocks: float = 0.0  # of them, the bytes inside `block`'s time (FSDP's gathers of the blocks, TP's all-reduces)
+    block: float = 0.0  # seconds of a block's forward and backward as this layout runs it (FSDP, TP: timed); 0: plain
     seconds: float = 0.0  # the predicted step
 
     def flags(self):
@@ -97,6 +101,7 @@ def plan(layout, config, world, rows, seq_len, micro_steps, bf16):
     elif layout.name == "fsdp":  # a share of the state; one block and the embeddings gathered at a time
         layout.memory = STATE_BYTES * P / world + 2 * (4 * block + 4 * embeddings) + acts(L)
         layout.sent = sharding.bytes_sent(P, P, world, "full", micro_steps, bf16)
+        layout.sent_in_blocks = 2 * micro_steps * ring(world, L * block * weight)  # (the embeddings' go over the link)
     elif layout.name == "fsdp_grads":  # every weight gathered and kept, with its gradient, for the whole step
         layout.memory = (STATE_BYTES - 8) * P / world + (weight + 4) * P + acts(L)
         layout.sent = sharding.bytes_sent(P, P, world, "grads", micro_steps, bf16)
@@ -105,7 +110,7 @@ def plan(layout, config, world, rows, seq_len, micro_steps, bf16):
         held, tp_bytes, dp_bytes = tensor_parallel.rank_plan(config, t, dp, rows, seq_len, micro_steps,
                                                              "bf16" if bf16 else "fp32")
         layout.memory = (STATE_BYTES + 4 * (dp > 1)) * held + acts(L) * (1 + 1 / t) / 2  # (about half of them split)
-        layout.sent, layout.sent_inside = tp_bytes + dp_bytes, tp_bytes
+        layout.sent, layout.sent_in_blocks = tp_bytes + dp_bytes, tp_bytes
     else:  # pipeline: the busiest stage; 1F1B keeps at most pp micro-batches' activations on the first stage
         dp = world // layout.pp
         bounds, _ = stages(config, layout.pp, seq_len)
@@ -196,23 +201,30 @@ def measure_link(ranks, size=32 * 2**20, turns=3, group=None):
     big = timed(torch.zeros(size // 4))
     return 2 * ring(W, size) / max(big - 2 * (W - 1) * latency, 1e-9), latency
 
-def measure_links(ranks, nodes):
-    """((bytes a second, latency) across nodes, the same inside a node). Several nodes of several ranks each: timed
-    apart, every node's ranks together (shared memory), then every node's i-th ranks together (the network, as
-    data-parallel or pipeline traffic crosses it: all ranks of a node at once). Otherwise one link, timed once."""
-    sizes = {len(n) for n in nodes}
-    if len(nodes) == 1 or sizes != {len(nodes[0])} or len(nodes[0]) == 1:
-        link = measure_link(ranks)
-        return link, link
-    inside, _ = torch.distributed.new_subgroups_by_enumeration(nodes)
+def measure_network(ranks, nodes):
+    """(bytes a second, latency) of the links that data-parallel, FSDP and pipeline traffic crosses: with several nodes
+    of several ranks each, timed between every node's i-th ranks at once (all ranks of a node sending together, as in
+    training); otherwise over all the ranks."""
+    if len(nodes) == 1 or {len(n) for n in nodes} != {len(nodes[0])} or len(nodes[0]) == 1:
+        return measure_link(ranks)
     across, _ = torch.distributed.new_subgroups_by_enumeration([list(i) for i in zip(*nodes)])
-    return measure_link(ranks, group=across), measure_link(ranks, group=inside)
+    return measure_link(ranks, group=across)
 
-def time_block(make_block, rows, seq_len, n_embd, autocast, ranks, turns=3):
+def time_block(make_block, rows, seq_len, n_embd, autocast, ranks, turns=3, layout=None, bf16=False):
     """Seconds of one block's forward and backward at the run's micro-batch, eager, timed on every rank at once (ranks
     that share a node's cores slow each other down in training too): the best turn's slowest rank. (Not each rank's
-    best turn: with more ranks than cores, each rank's best is a turn in which it happened to run alone.)"""
+    best turn: with more ranks than cores, each rank's best is a turn in which it happened to run alone.)
+    layout: the block as that Layout runs it (FSDP: sharded, gathered for its forward and again for its backward, its
+    gradients kept for the step's last micro-step; TP: split over its group), else plain."""
     block = make_block()
+    if layout is not None and layout.name == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(block, mp_policy=sharding.precision(bf16), reshard_after_forward=True)
+        block.set_requires_gradient_sync(False)
+    elif layout is not None and layout.tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (ranks.world_size // layout.tp, layout.tp), mesh_dim_names=("dp", "tp"))
+        tensor_parallel.split_block(block, mesh["tp"], layout.tp)
     x = torch.randn(rows, seq_len, n_embd, requires_grad=True)
     best = math.inf
     for _ in range(turns):
@@ -227,30 +239,28 @@ def time_block(make_block, rows, seq_len, n_embd, autocast, ranks, turns=3):
 # -----------------------------------------------------------------------------
 # The prediction, and the choice
 
-def predict(layout, config, world, seq_len, micro_steps, block_seconds, link, inside=None, crowd=1.0):
+def predict(layout, config, world, seq_len, micro_steps, block_seconds, link, crowd=1.0):
     """Seconds of a step: the busiest rank's compute (each micro-step runs its blocks forward and backward, and the
-    last stage lm_head and the loss, counted in blocks by their FLOPs), then its sending: tensor parallel's all-reduces
-    over the link inside a node (inside: (bytes a second, latency); default the link), the rest over the link across
-    nodes; a pipeline of N stages runs M + N - 1 micro-steps' worth of its slowest stage (the bubble: (N-1)/(M+N-1) idle).
+    last stage lm_head and the loss, counted in blocks by their FLOPs), then its sending over the link (bytes a
+    second, latency), but for the bytes inside layout.block's time (FSDP's and TP's blocks, timed as they run); a
+    pipeline of N stages runs M + N - 1 micro-steps' worth of its slowest stage (the bubble: (N-1)/(M+N-1) idle).
     crowd: how many times more threads than cores a node's ranks have (crowding(), at least 1); block_seconds is a block
     timed with every rank busy, so a rank alone runs it crowd times faster."""
-    (bandwidth, latency), (inside_bandwidth, inside_latency) = link, inside or link
+    bandwidth, latency = link
     L = config.n_layer
     block_cost, head_cost = stage_split.stage_costs(config, seq_len)
-    if layout.tp > 1:  # the blocks' work split; the embeddings, lm_head and the loss done by every rank
-        compute = micro_steps * (L / layout.tp + head_cost / block_cost) * block_seconds
-        messages, latency = micro_steps * L * 4, inside_latency  # every block's all-reduces, inside a node
-    elif layout.pp == 1:
-        compute = micro_steps * (L + head_cost / block_cost) * block_seconds
-        messages = micro_steps * 3 * (L + 1) if layout.name == "fsdp" else 3 * (L + 1)
+    head = head_cost / block_cost * block_seconds  # lm_head and the loss, whole on every rank that computes them
+    if layout.pp == 1:  # FSDP's and TP's blocks as they run them (TP: its share of each, its all-reduces inside)
+        compute = micro_steps * (L * (layout.block or block_seconds) + head)
+        messages = {"fsdp": 2 * micro_steps + L + 1, "fsdp_grads": 2 * (L + 1), "dp": L + 1, "tp": 1}[layout.name]
     else:
         chain = (micro_steps + layout.pp - 1) * stages(config, layout.pp, seq_len)[1] * block_seconds / crowd
         # On crowded cores the lighter stages' and the bubble's idle time is lent to the busy stage (3 ranks on 2
         # cores: ZeRO-2 predicted ahead, the pipeline measured 1.19x faster), so the node's cores, all busy with the
         # whole step's work, bound it instead; with a core for every thread (crowd 1) the chain is always longer.
-        compute = max(chain, micro_steps * (L + head_cost / block_cost) * block_seconds / layout.pp)
+        compute = max(chain, micro_steps * (L * block_seconds + head) / layout.pp)
         messages = 2 * micro_steps + 2
-    sending = (layout.sent - layout.sent_inside) / bandwidth + layout.sent_inside / inside_bandwidth
+    sending = (layout.sent - layout.sent_in_blocks * bool(layout.block)) / bandwidth  # (untimed: all over the link)
     layout.seconds = compute + sending + messages * 2 * (world - 1) * latency
     return layout
 
@@ -296,15 +306,19 @@ def decide(args, config, ranks, bf16, autocast, make_block):
     nodes, crowd = nodes_of(hostnames), crowding(ranks, hostnames)
     layouts = [planned(l) for l in candidates(config, W, lambda pp: pp <= config.n_layer and micro(W // pp) >= pp,
                                               tp=hasattr(args, "tp"), hostnames=hostnames)]
-    link, inside = measure_links(ranks, nodes)
-    block_seconds = time_block(make_block, args.batch_size, args.seq_len, config.n_embd, autocast, ranks)
+    link = measure_network(ranks, nodes)
+    timed = lambda layout=None: time_block(make_block, args.batch_size, args.seq_len, config.n_embd, autocast, ranks,  # noqa: E731
+                                           layout=layout, bf16=bf16)
+    block_seconds = timed()
     for layout in layouts:
-        predict(layout, config, W, args.seq_len, micro(W // (layout.pp * layout.tp)), block_seconds, link, inside, crowd)
+        if (layout.name == "fsdp" or layout.tp > 1) and layout.memory <= HEADROOM * free:
+            layout.block = timed(layout)
+        predict(layout, config, W, args.seq_len, micro(W // (layout.pp * layout.tp)), block_seconds, link, crowd)
     chosen, runner_up = choose(layouts, free, fits_alone=False)
-    speed = lambda l: f"{l[0] / 1e6:.0f} MB/s, {l[1] * 1e6:.0f} us"  # noqa: E731
-    measured = (f"link {speed(link)}" + (f" across nodes, {speed(inside)} inside one" if inside is not link else "") +
-                f"; a block {block_seconds * 1000:.0f} ms; {gib(free)} free a rank; {describe_nodes(nodes)}" +
-                (f", {crowd:.2g} threads a core" if crowd > 1 else ""))
+    own = ", ".join(f"{l.short()}'s {l.block * 1000:.0f}" for l in layouts if l.block)
+    measured = (f"link {link[0] / 1e6:.0f} MB/s, {link[1] * 1e6:.0f} us" + " across nodes" * (len(nodes) > 1) +
+                f"; a block {block_seconds * 1000:.0f} ms" + (f" ({own})" if own else "") +
+                f"; {gib(free)} free a rank; {describe_nodes(nodes)}" + (f", {crowd:.2g} threads a core" if crowd > 1 else ""))
     if chosen is None:
         least = min(layouts, key=lambda l: l.memory)
         raise SystemExit(f"error: --parallel auto: no layout fits in {HEADROOM:.0%} of the {gib(free)} free on each "

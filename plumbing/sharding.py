@@ -17,14 +17,19 @@ def shard_model(model, ranks, bf16, keep_gathered=False):
     keep_gathered (--shard grads, ZeRO-2): a unit's weights, once gathered, stay whole after its forward, and
     train_step keeps them through the backward of every micro-step but the last (set_reshard_after_backward):
     one all-gather per optimizer step instead of two per micro-step, for the whole model's weights in memory."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    from torch.distributed.fsdp import fully_shard
+    policy = precision(bf16)
     for block in model.transformer.h:
         fully_shard(block, mp_policy=policy, reshard_after_forward=not keep_gathered)
     fully_shard(model, mp_policy=policy, reshard_after_forward=not keep_gathered)
     ranks.print0(f"shard: FSDP2, each rank holds 1/{ranks.world_size} of the " + (
         "gradients and AdamW state; the weights are gathered once a step (ZeRO-2)" if keep_gathered else
         "weights, gradients and AdamW state"))
+
+def precision(bf16):
+    """FSDP2's policy: under bf16, weights gathered in bf16 and gradients reduced in fp32; else fp32 throughout."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
 
 def build_sharded(build, ranks, bf16, init_weights=True, keep_gathered=False):
     """build() -> a model, sharded without any rank ever holding all of it: built on the meta device (shapes, no

@@ -58,6 +58,14 @@ def to_rank_order(t, n_embd, tp, inverse=False):
 def is_c_attn(name):
     return name.endswith("attn.c_attn.weight") or name.endswith("attn.c_attn.bias")
 
+def split_block(block, mesh, tp):
+    """A Block split in place over the mesh's tp ranks: c_attn and c_fc by columns, both c_proj by rows (c_attn's rows
+    already in rank order for real weights). Its attention then sees n_head / tp heads of n_embd / tp."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    parallelize_module(block, mesh, {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
+                                     "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()})
+    block.attn.n_head, block.attn.n_embd = block.attn.n_head // tp, block.attn.n_embd // tp  # its view of q, k, v
+
 def local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -70,7 +78,6 @@ class TensorParallel:
 
     def __init__(self, model, args, ranks, n_microbatches, print0, dtype="fp32"):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
         from plumbing import speedups
         config = model.config
         check_divides(args.tp, config.n_head, config.n_embd)  # (a pretrained model's or a checkpoint's own sizes)
@@ -80,15 +87,12 @@ class TensorParallel:
         self.mesh = init_device_mesh(device_type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
         self.tp_group, self.dp_group = self.mesh.get_group("tp"), self.mesh.get_group("dp")
         self.autocast = lambda: speedups.autocast(dtype, device_type)
-        plan = {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
-                "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()}
         with torch.no_grad():
             for block in model.transformer.h:
                 attn = block.attn
                 attn.c_attn.weight.copy_(to_rank_order(attn.c_attn.weight, config.n_embd, self.tp))
                 attn.c_attn.bias.copy_(to_rank_order(attn.c_attn.bias, config.n_embd, self.tp))
-                parallelize_module(block, self.mesh["tp"], plan)
-                attn.n_head, attn.n_embd = config.n_head // self.tp, config.n_embd // self.tp  # its view of q, k, v
+                split_block(block, self.mesh["tp"], self.tp)
         self.n_microbatches, self.batch, self.seq_len, self.dtype = n_microbatches, args.batch_size, args.seq_len, dtype
         print0(plan_line(self))
 

@@ -54,8 +54,8 @@ def test_measured_bytes_are_the_computed_ones():
 
 def test_ranks_sharing_a_hostname_are_a_node_to_parallel_auto():
     """4 ranks, 2 hostnames (--ranks_per_node 2: each rank its own namespace and UTS namespace): --parallel auto finds
-    2 nodes of 2, times the link inside a node and the one across apart, and offers tensor parallel over 2 ranks (a
-    node's) but not over 4 (across the network)."""
+    2 nodes of 2, times the link across them (a rank of each node with a rank of the other, both pairs at once), and
+    offers tensor parallel over 2 ranks (a node's) but not over 4 (across the network)."""
     if not can_make_namespaces():
         pytest.skip("bench_parallel.py needs root and iproute2 (ip, tc) to make network namespaces")
     proc = subprocess.run([sys.executable, "bench/bench_parallel.py", "--ranks", "4", "--ranks_per_node", "2",
@@ -63,8 +63,8 @@ def test_ranks_sharing_a_hostname_are_a_node_to_parallel_auto():
                            "--tokens", "256", "--steps", "1", "--rates", "1gbit", "--auto", "0.035"], cwd=REPO,
                           capture_output=True, text=True, env=clean_env(), timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    line = re.search(r"parallel: .*\(predicted; link \d+ MB/s, \d+ us across nodes, \d+ MB/s, \d+ us inside one; "
-                     r".*; 2 nodes x 2 ranks\)", proc.stdout)
+    line = re.search(r"parallel: .*\(predicted; link \d+ MB/s, \d+ us across nodes; a block .*; 2 nodes x 2 ranks\)",
+                     proc.stdout)
     every = re.search(r"parallel: every layout's predicted step: (.*)", proc.stdout)
     assert line and every, proc.stdout
     print(line.group(0), every.group(0), sep="\n")

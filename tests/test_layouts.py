@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from conftest import clean_env, final_weights_diff, make_shards, read_log, run_launched, run_train, tiny_run_args, torchrun
+from conftest import REPO, clean_env, final_weights_diff, make_shards, read_log, run_launched, run_train, tiny_run_args, torchrun
 from plumbing import layouts, tensor_parallel
 from train_gpt2 import GPTConfig, PADDED_VOCAB_SIZE
 
@@ -108,13 +108,71 @@ def test_nodes_from_hostnames_keep_tensor_parallel_inside_one():
     assert tp_degrees(["a", "b", "c"]) == [] and tp_degrees(["a"] * 3) == []  # (3 does not divide the 4 heads)
     assert [l.pp for l in layouts.candidates(config, 4, lambda pp: True, hostnames=["a", "b", "c", "d"])
             if l.pp > 1] == [2, 4]  # pipelines and data parallel across nodes as before
-    # tp 2 x dp 2 on 2 nodes: the activations' all-reduces at shared memory's rate, the gradients' at the network's
+    # tp 2 x dp 2: the activations' all-reduces are inside its block's time, timed as it runs; the gradients' over the link
     tp = layouts.plan(layouts.Layout("tp", "none", 1, 2), config, 4, 2, 32, 3, False)
     tp_bytes = tensor_parallel.rank_plan(config, 2, 2, 2, 32, 3, "fp32")[1]
-    assert tp.sent_inside == tp_bytes and tp.sent > tp_bytes
-    network, shared = (1e8, 0.0), (1e10, 0.0)
-    layouts.predict(tp, config, 4, 32, 3, 0.0, network, shared)
-    assert tp.seconds == pytest.approx((tp.sent - tp_bytes) / 1e8 + tp_bytes / 1e10)
+    assert tp.sent_in_blocks == tp_bytes and tp.sent > tp_bytes
+    layouts.predict(tp, config, 4, 32, 3, 0.0, (1e8, 0.0))
+    assert tp.seconds == pytest.approx(tp.sent / 1e8)  # untimed: every byte over the link
+    tp.block = 0.01
+    layouts.predict(tp, config, 4, 32, 3, 0.0, (1e8, 0.0))
+    assert tp.seconds == pytest.approx(3 * 2 * 0.01 + (tp.sent - tp_bytes) / 1e8)
+
+
+TIMED = r'''
+import json, sys
+from contextlib import nullcontext
+from types import SimpleNamespace
+sys.path.insert(0, sys.argv[1])
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from train_gpt2 import Block, GPTConfig
+from plumbing import layouts
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+config = GPTConfig(block_size=16, vocab_size=128, n_layer=2, n_head=4, n_embd=64)
+seen = []
+class Record(TorchDispatchMode):  # every collective, with the bytes of its (first) tensor argument
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "c10d" in str(func):
+            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            seen.append([str(func), sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))])
+        return func(*args, **(kwargs or {}))
+out = {}
+for layout in (layouts.Layout("fsdp", "full", 1), layouts.Layout("tp", "none", 1, 2)):
+    layouts.plan(layout, config, 2, 2, 16, 3, False)
+    seen.clear()
+    with Record():
+        layouts.time_block(lambda: Block(config), 2, 16, 64, nullcontext(), SimpleNamespace(world_size=2), turns=2,
+                           layout=layout)
+    out[layout.name] = {"seen": list(seen), "a_block": layout.sent_in_blocks / (3 * config.n_layer)}
+if dist.get_rank() == 0:
+    print(json.dumps(out))
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.xdist_group("multiprocess")
+def test_fsdp_and_tp_blocks_are_timed_with_their_collectives(tmp_path):
+    """The blocks --parallel auto times for FSDP and TP (2 ranks, 2 turns) send what the plan counts inside their time:
+    FSDP gathers the block's weights for its forward and again for its backward, and reduce-scatters nothing (the
+    gradients' once a step goes over the link: seen failing, a reduce-scatter a turn, with the block's gradients
+    synced); TP all-reduces the activations twice forward and twice backward."""
+    import json
+    import subprocess
+    import sys
+    script = tmp_path / "timed.py"
+    script.write_text(TIMED)
+    proc = subprocess.run([*torchrun(2), str(script), REPO], capture_output=True, text=True, env=clean_env(), cwd=REPO,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    fsdp = [(f, b) for f, b in out["fsdp"]["seen"] if "barrier" not in f and b > 8]  # (not the timing's own)
+    assert [f for f, _ in fsdp] == ["c10d._allgather_base_.default"] * 4 and fsdp[0][1] == fsdp[1][1], fsdp
+    assert sum(b / 2 for _, b in fsdp) == pytest.approx(2 * out["fsdp"]["a_block"], rel=1e-3)  # 2 turns
+    tp = [b for f, b in out["tp"]["seen"] if "all_reduce" in f and b > 8]
+    assert len(tp) == 8 and sum(b for b in tp) == pytest.approx(2 * out["tp"]["a_block"]), out["tp"]["seen"]
 
 
 @pytest.fixture(scope="module")
