@@ -23,6 +23,7 @@ backward, so they run faster than predicted where both take long (docs/parallel.
 import math
 import os
 import socket
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -210,10 +211,13 @@ def measure_network(ranks, nodes):
     across, _ = torch.distributed.new_subgroups_by_enumeration([list(i) for i in zip(*nodes)])
     return measure_link(ranks, group=across)
 
-def time_block(make_block, rows, seq_len, n_embd, autocast, ranks, turns=3, layout=None, bf16=False):
+def time_block(make_block, rows, seq_len, n_embd, autocast, ranks, turns=5, layout=None, bf16=False):
     """Seconds of one block's forward and backward at the run's micro-batch, eager, timed on every rank at once (ranks
-    that share a node's cores slow each other down in training too): the best turn's slowest rank. (Not each rank's
-    best turn: with more ranks than cores, each rank's best is a turn in which it happened to run alone.)
+    that share a node's cores slow each other down in training too): after a turn of warm-up, the median turn's
+    slowest rank, a turn running the block enough times to last 0.5 s (3 turns where one pass lasts 2 s or more).
+    Not each rank's best turn: with more ranks than cores, each rank's best is a turn in which it happened to run
+    alone. Nor the best of single passes: with 3 ranks on 2 cores one pass caught bursts (a block of 176 ms in one
+    run, 229 in another, for steps of one speed) and TP's, four waits on the slowest rank, swung 123-212 ms.
     layout: the block as that Layout runs it (FSDP: sharded, gathered for its forward and again for its backward, its
     gradients kept for the step's last micro-step; TP: split over its group), else plain."""
     block = make_block()
@@ -226,15 +230,18 @@ def time_block(make_block, rows, seq_len, n_embd, autocast, ranks, turns=3, layo
         mesh = init_device_mesh("cpu", (ranks.world_size // layout.tp, layout.tp), mesh_dim_names=("dp", "tp"))
         tensor_parallel.split_block(block, mesh["tp"], layout.tp)
     x = torch.randn(rows, seq_len, n_embd, requires_grad=True)
-    best = math.inf
-    for _ in range(turns):
+    def turn(passes):
         torch.distributed.barrier()
         start = time.perf_counter()
-        with autocast:
-            y = block(x)
-        y.float().sum().backward()
-        best = min(best, slowest(time.perf_counter() - start, ranks))
-    return best
+        for _ in range(passes):
+            with autocast:
+                y = block(x)
+            y.float().sum().backward()
+        return slowest(time.perf_counter() - start, ranks) / passes
+    turn(1)  # warm-up (FSDP's and TP's first pass also sets them up)
+    one = turn(1)
+    passes = max(1, math.ceil(0.5 / one))
+    return statistics.median([turn(passes) for _ in range(turns if one < 2 else 3)])
 
 # -----------------------------------------------------------------------------
 # The prediction, and the choice

@@ -161,7 +161,6 @@ def test_fsdp_and_tp_blocks_are_timed_with_their_collectives(tmp_path):
     synced); TP all-reduces the activations twice forward and twice backward."""
     import json
     import subprocess
-    import sys
     script = tmp_path / "timed.py"
     script.write_text(TIMED)
     proc = subprocess.run([*torchrun(2), str(script), REPO], capture_output=True, text=True, env=clean_env(), cwd=REPO,
@@ -169,10 +168,13 @@ def test_fsdp_and_tp_blocks_are_timed_with_their_collectives(tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     fsdp = [(f, b) for f, b in out["fsdp"]["seen"] if "barrier" not in f and b > 8]  # (not the timing's own)
-    assert [f for f, _ in fsdp] == ["c10d._allgather_base_.default"] * 4 and fsdp[0][1] == fsdp[1][1], fsdp
-    assert sum(b / 2 for _, b in fsdp) == pytest.approx(2 * out["fsdp"]["a_block"], rel=1e-3)  # 2 turns
+    assert {f for f, _ in fsdp} == {"c10d._allgather_base_.default"}, fsdp  # (a reduce-scatter would show here)
+    assert len(fsdp) % 2 == 0 and len(fsdp) >= 8, len(fsdp)  # warm-up, sizing and 2 turns: 2 gathers a pass
+    # a pass sends the gathered block's bytes (on 2 ranks, a ring all-gather sends half of it, twice)
+    assert len({b for _, b in fsdp}) == 1 and fsdp[0][1] == pytest.approx(out["fsdp"]["a_block"]), (fsdp[0], out["fsdp"])
     tp = [b for f, b in out["tp"]["seen"] if "all_reduce" in f and b > 8]
-    assert len(tp) == 8 and sum(b for b in tp) == pytest.approx(2 * out["tp"]["a_block"]), out["tp"]["seen"]
+    assert len(tp) % 4 == 0 and len(tp) >= 16 and len(set(tp)) == 1, tp  # 4 all-reduces a pass, of one size
+    assert 4 * tp[0] == pytest.approx(out["tp"]["a_block"]), (tp[0], out["tp"])  # (on 2 ranks each sends its size)
 
 
 @pytest.fixture(scope="module")
