@@ -77,7 +77,6 @@ class CausalSelfAttention(nn.Module):
 # slower than plain causal attention of the whole row, with a quarter of the work. So each example gets its own
 # causal attention call on its own tokens: L x L scores for an example of L tokens, nothing across examples.
 
-@torch.compiler.disable  # the split depends on the data: torch.compile leaves this one function to run eagerly
 def packed_attention(q, k, v, lengths):
     """Causal attention inside each example: q, k, v (B, n_head, T, head_size); lengths (1-D) the examples' (and the
     rows' padding's) lengths in order, row after row, summing to B*T. Returns (B, T, n_head, head_size)."""
@@ -88,6 +87,13 @@ def packed_attention(q, k, v, lengths):
     q, k, v = (t.transpose(0, 1).reshape(1, nh, B * T, hs).split(sizes, dim=2) for t in (q, k, v))
     y = torch.cat([F.scaled_dot_product_attention(*qkv, is_causal=True) for qkv in zip(q, k, v)], dim=2)
     return y.view(nh, B, T, hs).permute(1, 2, 0, 3)
+
+def keep_packed_attention_eager():
+    """Before torch.compile: its split depends on the data, so compiled code would recompile for each new set of
+    lengths; torch.compile leaves it to run eagerly. (Not a decorator: torch.compiler.disable imports torch._dynamo,
+    2 s of every process's start, which uncompiled runs, evaluations and sampling never need.)"""
+    global packed_attention
+    packed_attention = torch.compiler.disable(packed_attention)
 
 class MLP(nn.Module):
 
@@ -289,10 +295,9 @@ class GPT(nn.Module):
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-        from torch.distributed.tensor import DTensor  # --tp's split weights: fused AdamW takes them apart from plain tensors
-        if 0 < sum(isinstance(p, DTensor) for p in params) < len(params):
-            groups = [{**g, "params": [p for p in g["params"] if isinstance(p, DTensor) == kind]}
-                      for g in groups for kind in (False, True)]
+        split = lambda p: hasattr(p, "placements")  # noqa: E731  --tp's split weights (DTensors): fused AdamW takes them apart
+        if 0 < sum(map(split, params)) < len(params):
+            groups = [{**g, "params": [p for p in g["params"] if split(p) == kind]} for g in groups for kind in (False, True)]
         # fused AdamW runs the whole update in one kernel; PyTorch has it for CPU since 2.4
         fused = device_type in ("cpu", "cuda", "xpu")
         return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused), fused
@@ -566,6 +571,7 @@ def prepare_training(run, ckpt, ckpt_file):
     # Evaluation and sampling run the raw model eagerly: their shapes change, and each shape would recompile.
     compiled = False
     if args.compile and run.pipe is None:
+        keep_packed_attention_eager()
         model, compiled = speedups.compile_if_possible(model, run.ipex, run.device_type, ranks.print0)
     if ranks.world_size > 1:  # the same checkpoint on every rank: DDP copies rank 0's weights, but nothing else
         world.check_same_start(ranks, start_step)

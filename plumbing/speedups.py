@@ -246,6 +246,10 @@ def compile_if_possible(model, ipex, device_type, print0):
         # parameters without gradients (tests/test_ipex.py), so the two are not combined
         print0("compile: off, because IPEX optimized the model (--ipex off to compile instead)")
         return model, False
+    import torch._dynamo  # (the optimizer's constructor imported it already)
+    if torch._dynamo.config.disable:  # TORCH_COMPILE_DISABLE=1: torch.compile would return a wrapper that compiles nothing
+        print0("compile: off (TORCH_COMPILE_DISABLE=1)")
+        return model, False
     if not can_compile(device_type):
         print0("warning: --compile needs a C++ compiler (g++ or clang++, or $CXX) and none was found: "
                "training without it (install one, or pass --no-compile to silence this)")

@@ -161,6 +161,27 @@ def test_packed_attention_equals_a_block_diagonal_mask():
     torch.testing.assert_close(ours, dense, rtol=0, atol=1e-5)
 
 
+def test_compiled_packed_rows_leave_packed_attention_eager(monkeypatch):
+    """Compiled as train_gpt2.py compiles (keep_packed_attention_eager first), rows with new example lengths compute
+    what the eager model does without compiling a graph for each set of lengths (the split depends on the data)."""
+    import torch._dynamo
+    import train_gpt2
+    monkeypatch.setattr(torch._dynamo.config, "disable", False)  # (conftest.py turns torch.compile off)
+    monkeypatch.setattr(train_gpt2, "packed_attention", train_gpt2.packed_attention)  # (undone after the test)
+    train_gpt2.keep_packed_attention_eager()
+    torch._dynamo.reset()
+    model, rng, graphs, counts = tiny_gpt(), np.random.default_rng(4), [], []
+    compiled = torch.compile(model, backend=lambda gm, _: graphs.append(gm) or gm)  # (the graphs dynamo makes)
+    for shape in ([(5, 4), (9, 9), (3, 2)], [(2, 2), (11, 8)], [(4, 4), (4, 4), (4, 4), (1, 1)], [(7, 7), (6, 3)],
+                  [(3, 3)] * 5, [(20, 10)], [(8, 8), (8, 4)]):
+        x, y, packed = packed_row([example_ids(rng, *n) for n in shape], 48)
+        (got, _), (want, _) = loss_and_grads(compiled, x, y, packed), loss_and_grads(model, x, y, packed)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        counts.append(len(graphs))
+    # after two rows (the second marks the changing sizes dynamic) no new graph; seen: 10, 11, 11, 12, 13, 13 without it
+    assert len(set(counts[1:])) == 1, counts
+
+
 def test_pick_targets_rounds_up_with_ignored_positions(monkeypatch):
     monkeypatch.setattr(dataloader, "PICK_MULTIPLE", 4)
     y = torch.tensor([[IGNORE, 5, 6, IGNORE, 7, IGNORE], [IGNORE] * 6])

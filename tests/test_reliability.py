@@ -19,9 +19,9 @@ from plumbing import checkpoints
 import train_gpt2
 from conftest import REPO, make_shards, read_log, run_train, start_ranks, tiny_run_args
 
-# 32 micro-steps of the tiny model per optimizer step: a few tenths of a second, long enough to signal
-# a run in the middle of its steps without any test hook in the trainer
-SLOW = ["--total_batch_size", "4096", "--max_steps", "10", "--eval_interval", "4", "--checkpoint_interval", "4"]
+# 8 micro-steps of the tiny model per optimizer step: ~0.4 s a step on one core (AMX Xeon), so a signal sent
+# once step 2 is printed lands in the middle of the run's 10 steps without any test hook in the trainer
+SLOW = ["--total_batch_size", "1024", "--max_steps", "10", "--eval_interval", "4", "--checkpoint_interval", "4"]
 
 
 @pytest.fixture(scope="module")
