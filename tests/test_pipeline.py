@@ -200,7 +200,7 @@ def test_pipeline_in_bf16_equals_one_process_in_bf16(data, tmp_path):
     """The stages run under the run's autocast (each forward the schedule makes, and the last stage's loss)."""
     bf16 = [*EQUAL, "--dtype", "bf16", "--no-compile", "--max_steps", "3", "--eval_interval", "0",
             "--checkpoint_interval", "0"]
-    one = run_train(tiny_run_args(data, tmp_path / "one", *bf16), env=clean_env(), timeout=LIMIT)
+    run_train(tiny_run_args(data, tmp_path / "one", *bf16), env=clean_env(), timeout=LIMIT)
     pp = run_launched(tiny_run_args(data, tmp_path / "pp", *bf16, "--pp", "2"), torchrun(2), clean_env())
     assert "--dtype bf16" in pp.stdout and "pipeline: 2 stages" in pp.stdout  # (its line, or its warning where slow)
     ref, got = read_log(tmp_path / "one", "train"), read_log(tmp_path / "pp", "train")
