@@ -188,7 +188,7 @@ def slowest(seconds, ranks):
 def measure_link(ranks, size=32 * 2**20, turns=3, group=None):
     """(bytes a second, seconds of latency) of the links, from all-reduces timed on every rank at once: 4 bytes (its
     time is 2 (W - 1) messages' latency) and `size` bytes (a ring: each rank sends 2 (W-1)/W x size), over all the
-    ranks or, every rank in one, over groups of W ranks (inside a node, or one rank of each node)."""
+    ranks or, every rank in one, over groups of W ranks (one rank of each node)."""
     W = torch.distributed.get_world_size(group)
     def timed(t):
         best = math.inf
@@ -308,7 +308,7 @@ def decide(args, config, ranks, bf16, autocast, make_block):
     if dp.memory <= HEADROOM * free:
         return dp, (f"parallel: {dp.describe(W)}: the training state and activations, ~{gib(dp.memory)} a rank, fit "
                     f"in {HEADROOM:.0%} of the {gib(free)} free on each (--parallel fsdp, fsdp_grads or pp forces another)")
-    hostnames = [None] * W  # which ranks share a node: TP only inside one, its links measured apart from the network's
+    hostnames = [None] * W  # which ranks share a node: TP only inside one (its block timed there)
     torch.distributed.all_gather_object(hostnames, socket.gethostname())
     nodes, crowd = nodes_of(hostnames), crowding(ranks, hostnames)
     layouts = [planned(l) for l in candidates(config, W, lambda pp: pp <= config.n_layer and micro(W // pp) >= pp,
