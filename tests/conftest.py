@@ -128,6 +128,27 @@ def final_weights_diff(log_a, log_b):
 # computes (or loads the CPU on purpose) is marked @pytest.mark.xdist_group("multiprocess") (docs/tests.md).
 
 LIMIT = 300  # seconds any one launched run may take before it counts as hung (a run takes 10-30)
+
+# The start of a rank script (run by torchrun: gloo, one thread) that records the collectives it makes: inside
+# `with Record():` each one appends [its op's name, the bytes of its (first) tensor argument] to `seen`.
+# tests/test_pipeline.py checks a step's traffic with it, tests/test_layouts.py the blocks --parallel auto times.
+RECORDING_RANK = r'''
+import json, sys
+from types import SimpleNamespace
+sys.path.insert(0, sys.argv[1])
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+seen = []
+class Record(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "c10d" in str(func):
+            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            seen.append([str(func), sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))])
+        return func(*args, **(kwargs or {}))
+'''
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                "GROUP_RANK", "TORCHELASTIC_RUN_ID")

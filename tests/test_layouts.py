@@ -3,7 +3,8 @@ import re
 
 import pytest
 
-from conftest import REPO, clean_env, final_weights_diff, make_shards, read_log, run_launched, run_train, tiny_run_args, torchrun
+from conftest import (RECORDING_RANK, REPO, clean_env, final_weights_diff, make_shards, read_log, run_launched, run_train,
+                      tiny_run_args, torchrun)
 from plumbing import layouts, tensor_parallel
 from train_gpt2 import GPTConfig, PADDED_VOCAB_SIZE
 
@@ -119,26 +120,11 @@ def test_nodes_from_hostnames_keep_tensor_parallel_inside_one():
     assert tp.seconds == pytest.approx(3 * 2 * 0.01 + (tp.sent - tp_bytes) / 1e8)
 
 
-TIMED = r'''
-import json, sys
+TIMED = RECORDING_RANK + r'''
 from contextlib import nullcontext
-from types import SimpleNamespace
-sys.path.insert(0, sys.argv[1])
-import torch
-import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 from train_gpt2 import Block, GPTConfig
 from plumbing import layouts
-torch.set_num_threads(1)
-dist.init_process_group("gloo")
 config = GPTConfig(block_size=16, vocab_size=128, n_layer=2, n_head=4, n_embd=64)
-seen = []
-class Record(TorchDispatchMode):  # every collective, with the bytes of its (first) tensor argument
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if "c10d" in str(func):
-            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
-            seen.append([str(func), sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))])
-        return func(*args, **(kwargs or {}))
 out = {}
 for layout in (layouts.Layout("fsdp", "full", 1), layouts.Layout("tp", "none", 1, 2)):
     layouts.plan(layout, config, 2, 2, 16, 3, False)

@@ -14,8 +14,8 @@ import sys
 import pytest
 
 import train_gpt2
-from conftest import (LIMIT, REPO, clean_env, final_weights_diff, make_shards, printed_norms, read_log, run_launched,
-                      run_train, tiny_run_args, torchrun)
+from conftest import (LIMIT, RECORDING_RANK, REPO, clean_env, final_weights_diff, make_shards, printed_norms, read_log,
+                      run_launched, run_train, tiny_run_args, torchrun)
 from plumbing import stage_split
 from test_distributed import assert_same_run
 
@@ -207,25 +207,10 @@ def test_pipeline_in_bf16_equals_one_process_in_bf16(data, tmp_path):
     assert sorted(got) == sorted(ref) == [0, 1, 2] and max(abs(ref[s] - got[s]) for s in ref) <= TOL, (ref, got)
 
 
-TRAFFIC = r'''
-import json, sys
-from types import SimpleNamespace
-sys.path.insert(0, sys.argv[1])
-import torch
-import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+TRAFFIC = RECORDING_RANK + r'''
 from train_gpt2 import GPT, GPTConfig
 from plumbing import pipeline, stage_split
-torch.set_num_threads(1)
-dist.init_process_group("gloo")
 config = GPTConfig(block_size=16, vocab_size=128, n_layer=2, n_head=2, n_embd=8)
-seen = []
-class Record(TorchDispatchMode):  # every collective the step makes, with the bytes of its (first) tensor argument
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if "c10d" in str(func):
-            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
-            seen.append([str(func), sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))])
-        return func(*args, **(kwargs or {}))
 out = {}
 for shard in ("full", "grads"):
     torch.manual_seed(0)
