@@ -60,7 +60,8 @@ def build_parser(defaults=True):
     a("--backend", choices=["auto", "ccl", "gloo", "nccl", "xccl"], default=d("auto"),
       help="process group backend; auto = ccl if oneccl_bindings_for_pytorch imports, else gloo (CPU), nccl, xccl")
     a("--ipex", choices=["auto", "on", "off"], default=d("auto"),
-      help="Intel Extension for PyTorch's ipex.optimize on CPU/XPU; auto = when installed")
+      help="Intel Extension for PyTorch's ipex.optimize on CPU/XPU; auto = when installed, its gradients check "
+      "right at the run's shapes and it times faster (never in a compiled run: docs/distributed.md)")
     a("--shard", choices=["none", "full", "grads"], default=d("none"), help="none: every rank holds the whole training "
       "state (DDP); full: weights, gradients and AdamW state split across the ranks (FSDP2), for models too big for one; "
       "grads: gradients and AdamW state split, weights gathered once a step (ZeRO-2: less traffic, more memory)")

@@ -444,7 +444,7 @@ def set_up_machine(run):
     args, ranks = run.args, run.ranks
     ranks.device = world.pick_device(args.device, ranks.local_rank, ranks.world_size)
     device_type = ranks.device.split(":")[0]
-    ipex = speedups.find_ipex(args.ipex, device_type)
+    ipex = speedups.find_ipex(args.ipex, device_type, speedups.will_compile(args.compile, device_type), ranks.print0)
     if ranks.world_size > 1:  # oneCCL when Intel's bindings are installed (fastest across Xeon nodes), else gloo on CPU
         backend = world.choose_backend(args.backend, device_type)
         where = world.init_process_group(backend, ranks.rank, ranks.world_size, ranks.local_world,
@@ -563,7 +563,7 @@ def prepare_training(run, ckpt, ckpt_file):
         run.ipex = None
     if run.ipex is not None and run.device_type == "cpu":  # right at this run's shapes? faster?
         run.ipex, line = speedups.decide_ipex(run.ipex, args.ipex, run.dtype, model.transformer.h[0], args.batch_size,
-                                              args.seq_len, args.compile and speedups.can_compile("cpu"), ranks)
+                                              args.seq_len, ranks)
         ranks.print0(line)
     if run.ipex is not None:
         model, optimizer = speedups.apply_ipex(run.ipex, model, optimizer, run.dtype, ranks.print0)

@@ -77,11 +77,17 @@ def autocast(dtype, device_type):
         raise ValueError(f"dtype must be 'bf16' or 'fp32', not {dtype!r}")
     return torch.autocast(device_type, dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
 
-def find_ipex(mode, device_type):
+def find_ipex(mode, device_type, compiles, print0):
     """Intel Extension for PyTorch when --ipex asks for it (on) or allows it (auto) and it can run, else None.
 
     Optional: Intel stopped developing IPEX after 2.8, and it runs only with the torch minor version
-    it was built for; a mismatch is a clear error with --ipex on and a quiet skip with auto."""
+    it was built for; a mismatch is a clear error with --ipex on and a quiet skip with auto.
+    compiles: whether the run will torch.compile its step. Importing IPEX 2.8 breaks torch 2.8's compiled attention
+    backward (the compiled graph expects one tensor where the op returns several: "TypeError: expected Tensor() for
+    op: ..._scaled_dot_product_flash_attention_for_cpu_backward" at the first step, fp32 and bf16, measured on an AMD
+    EPYC Zen 4), even when IPEX then trains nothing; and the compiled step beat IPEX's wherever both were timed (a
+    GPT-2 block, bf16 on Zen 4: 606 vs 729 ms; fp32 on an AMX Xeon: 888 vs 1144 ms). So --ipex auto leaves IPEX
+    unimported in a compiled run, and considers it with --no-compile."""
     if mode == "off":
         return None
     if device_type not in ("cpu", "xpu"):
@@ -94,6 +100,10 @@ def find_ipex(mode, device_type):
         if mode == "on":
             raise SystemExit("error: --ipex on, but intel_extension_for_pytorch is not installed "
                              "(pip install -r requirements-intel.txt, or pass --ipex off)")
+        return None
+    if mode == "auto" and compiles:
+        print0("ipex: not used: the compiled step is faster, and importing IPEX breaks it (--no-compile to time "
+               "the two, --ipex on to force it)")
         return None
     version = importlib.metadata.version("intel_extension_for_pytorch")
     if version.split(".")[:2] != torch.__version__.split(".")[:2]:
@@ -135,6 +145,10 @@ def compile_model(model, memory_budget=None):
     torch._functorch.config.activation_memory_budget = memory_budget or ACTIVATION_MEMORY_BUDGET
     return torch.compile(model)
 
+def will_compile(flag, device_type):
+    """Whether a run given --compile (flag) will compile: TORCH_COMPILE_DISABLE=1 and a missing C++ compiler say no."""
+    return flag and os.environ.get("TORCH_COMPILE_DISABLE", "0") != "1" and can_compile(device_type)
+
 def can_compile(device_type):
     """On CPU, torch.compile needs a C++ compiler; without one it would fail at the first step."""
     return device_type != "cpu" or any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++"))
@@ -158,8 +172,11 @@ def ipex_for_dtype(ipex, mode, dtype, bf16_weights):
 #   shows it). GPT-2 (124M) at B 4 x T 1024: the loss right, the gradient norm 38.1 against 7.2.
 # - at 2,048 rows, where those are right, the first LayerNorm of each block gets a bias gradient 23-25% smaller than
 #   PyTorch's (its weight's 0.2-6%); the second LayerNorm's and every other parameter's agree to 0.2%.
-# It is IPEX's own kernels, so before IPEX trains, a block of the model is run both ways at the run's shapes and
-# every parameter's gradient compared.
+# Both are in IPEX's AMX kernels: on AMD EPYC Zen 4 and Zen 5 (AVX512-BF16, no AMX) every gradient agrees within
+# 0.02% at 4 x 1024 rows (GPT-2 124M's gradient norm 7.1869 with IPEX, 7.1835 without, on Zen 5).
+# So before IPEX trains, a block of the model is run both ways at the run's shapes and every parameter's gradient
+# compared; and since that block check does not see the LayerNorm bias (it shows only in the whole model's step),
+# --ipex auto does not use IPEX for bf16 on a CPU with AMX.
 IPEX_GRAD_TOLERANCE = 0.02  # bf16 rounding moves a gradient's norm by well under this here (measured: 0.002)
 
 def ipex_gradient_error(ipex, block, batch_size, seq_len, dtype):
@@ -195,11 +212,11 @@ def time_block(block, batch_size, seq_len, dtype, turns=3):
         best = min(best, time.perf_counter() - start) if turn else best
     return best
 
-def decide_ipex(ipex, mode, dtype, block, batch_size, seq_len, compile, ranks):
+def decide_ipex(ipex, mode, dtype, block, batch_size, seq_len, ranks):
     """IPEX (as found) if it trains right at this run's shapes and faster than the plain step, else None; with --ipex on,
     right is enough, and wrong is one error line. block: one of the model's blocks (copied, not changed), timed with
-    ipex.optimize against as the trainer would run it without (torch.compile'd if `compile`). Every rank must agree:
-    IPEX only if all choose it. Returns (IPEX or None, the line that says why)."""
+    ipex.optimize against as the trainer would run it without (eagerly: find_ipex leaves IPEX out of a compiled run).
+    Every rank must agree: IPEX only if all choose it. Returns (IPEX or None, the line that says why)."""
     import copy
     error, name = ipex_gradient_error(ipex, block, batch_size, seq_len, dtype)
     if error > IPEX_GRAD_TOLERANCE:
@@ -210,13 +227,14 @@ def decide_ipex(ipex, mode, dtype, block, batch_size, seq_len, compile, ranks):
         use, line = False, f"ipex: not used: {why}"
     elif mode == "on":
         use, line = True, "ipex: used (--ipex on; a block's gradients checked at this run's shapes)"
-        if dtype == "bf16":
-            line = f"warning: {line}, but IPEX's bf16 LayerNorm gradients were measured wrong in GPT-2 (docs/performance.md)"
-    elif dtype == "bf16":
-        use, line = False, ("ipex: not used: its bf16 gradients were measured wrong in GPT-2 (the first LayerNorm's bias "
-                            "25% off at any batch, docs/performance.md); --ipex on forces it")
+        if dtype == "bf16" and cpu.has_amx():
+            line = (f"warning: {line}, but on a CPU with AMX IPEX's bf16 LayerNorm gradients were measured wrong in GPT-2 "
+                    "(docs/distributed.md)")
+    elif dtype == "bf16" and cpu.has_amx():
+        use, line = False, ("ipex: not used: on a CPU with AMX its bf16 gradients were measured wrong in GPT-2 (the first "
+                            "LayerNorm's bias 25% off at any batch, docs/distributed.md); --ipex on forces it")
     else:
-        plain = compile_model(copy.deepcopy(block)) if compile else copy.deepcopy(block)
+        plain = copy.deepcopy(block)
         ipex_block = copy.deepcopy(block)  # (training mode: IPEX wants the optimizer too, for its master weights)
         ipex_block, _ = ipex.optimize(ipex_block, optimizer=torch.optim.AdamW(ipex_block.parameters()), inplace=True,
                                       dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
@@ -224,7 +242,7 @@ def decide_ipex(ipex, mode, dtype, block, batch_size, seq_len, compile, ranks):
             plain_s, ipex_s = time_block(plain, batch_size, seq_len, dtype), time_block(ipex_block, batch_size, seq_len, dtype)
         use = ipex_s < plain_s
         line = (f"ipex: {'used' if use else 'not used'}: a block's forward and backward took {1000 * ipex_s:.0f} ms with "
-                f"IPEX vs {1000 * plain_s:.0f} ms {'compiled' if compile else 'plain'} (--ipex on|off forces it)")
+                f"IPEX vs {1000 * plain_s:.0f} ms plain (--ipex on|off forces it)")
     if ranks is not None and ranks.world_size > 1:
         use = ranks.all_reduce_sum(torch.tensor(float(use), device=ranks.device)).item() == ranks.world_size
     return (ipex if use else None), line
