@@ -392,6 +392,7 @@ class Run:
         args, ranks = self.args, self.ranks
         # FSDP2 over the world: decided here, and only here (--pp shards within each stage: plumbing/pipeline.py)
         self.sharded = args.shard != "none" and ranks.world_size > 1 and args.pp == 1
+        self.in_parts = self.sharded or args.pp > 1 or args.tp > 1  # no rank holds the whole model: .dcp checkpoints
         self.replicas = ranks.world_size // (args.pp * args.tp)  # data-parallel replicas: --pp stages x --tp ranks each
         self.grad_accum_steps = args.total_batch_size // (args.batch_size * args.seq_len * self.replicas)
         group = args.pp * args.tp  # the ranks of one replica read the same batches: the loaders see the replicas
@@ -620,7 +621,7 @@ def evaluate(run, step, due):
 
 def save_checkpoint(run, step, val_loss, evaluated=True):
     """Everything an exact resume needs: weights, optimizer moments, data position, RNG, run arguments; by
-    rank 0, or by every rank for its own pieces when sharded. Never a diverged state: non-finite weights or
+    rank 0, or by every rank for its own part when sharded or in parts. Never a diverged state: non-finite weights or
     val loss are not saved, so they can't push a good checkpoint out. Every rank calls it (they must agree)."""
     args, ranks, model, optimizer = run.args, run.ranks, run.raw_model, run.optimizer
     bad = sum(not (p.to_local() if hasattr(p, "to_local") else p).isfinite().all() for p in model.parameters())
@@ -630,12 +631,11 @@ def save_checkpoint(run, step, val_loss, evaluated=True):
     state = {"config": asdict(model.config), "step": step, "args": dict(vars(args)), "loader": run.train_loader.state_dict(),
              "rng": {"torch": torch.get_rng_state()}, "val_loss": val_loss, "task": run.task, "lora": run.lora,
              "evaluated": evaluated}  # False: stopped by a signal before this step's evaluations
-    if run.sharded:
-        checkpoints.save_sharded(checkpoint_path(args.log_dir, step, sharded=True), model, optimizer, state, ranks)
+    if run.in_parts:  # every rank writes its part, in the whole model's names: any layout reads it (plumbing/parts.py)
+        part = run.pipe.state(optimizer) if run.pipe else checkpoints.state_of(model, optimizer)
+        checkpoints.save_sharded(checkpoint_path(args.log_dir, step, sharded=True), part, state, ranks)
         return
-    if run.pipe is not None:  # the stages send their parts to rank 0, which writes what one process would
-        state["model"], state["optimizer"] = run.pipe.full_state(optimizer)
-    elif ranks.master:
+    if ranks.master:
         state.update(model=lora.adapters(model) if args.lora else model.state_dict(), optimizer=optimizer.state_dict())
     if ranks.master:
         state["checksums"] = checkpoints.tensor_checksums(state)  # verified by load_checkpoint
@@ -697,7 +697,7 @@ def save_after_signal(run, signum, step, save):
     ranks, saved = run.ranks, ""
     if save:
         save_checkpoint(run, step, None, evaluated=False)
-        saved = f"saved {checkpoint_path(run.args.log_dir, step, run.sharded)}; continue with --resume; " if ranks.master else ""
+        saved = f"saved {checkpoint_path(run.args.log_dir, step, run.in_parts)}; continue with --resume; " if ranks.master else ""
     if ranks.world_size > 1:
         torch.distributed.barrier()  # nobody leaves before the checkpoint is written: launchers kill the rest
     print(f"rank {ranks.rank}: stopped by {signal.Signals(signum).name} before step {step}: {saved}"

@@ -104,19 +104,27 @@ def load_checkpoint(path):
     verify_checksums({k: v for k, v in ckpt.items() if k != "checksums"}, ckpt.get("checksums", {}), path)
     return ckpt
 
-def save_sharded(path, model, optimizer, meta, ranks):
-    """A sharded checkpoint: a folder where each rank writes its own pieces (torch.distributed.checkpoint),
-    rank 0 adds meta.pt (step, config, data position, RNG...). It is written as path.tmp and renamed
-    once every rank has finished, so a folder named model_XXXXX.dcp is always whole."""
-    import torch.distributed.checkpoint as dcp
+def state_of(model, optimizer):
+    """{"model": ..., "optimizer": ...}: the state dicts DCP writes and reads, named by parameter (a sharded tensor is
+    this rank's pieces, with their places in the whole). A LoRA run's frozen base is no part of its checkpoints: only
+    what trains, and its AdamW state."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    # (get_state_dict keeps a frozen tied weight under its second name, lm_head.weight: left out too)
+    return {"model": {k: v for k, v in model_state.items() if k not in frozen}, "optimizer": optimizer_state}
+
+def save_sharded(path, state, meta, ranks):
+    """A sharded checkpoint: a folder where each rank writes its own pieces of state (state_of, or a layout's own:
+    whole-model names, so that any layout reads it) with torch.distributed.checkpoint, rank 0 adds meta.pt (step,
+    config, data position, RNG...). It is written as path.tmp and renamed once every rank has finished, so a folder
+    named model_XXXXX.dcp is always whole."""
+    import torch.distributed.checkpoint as dcp
     tmp = path + ".tmp"
     if ranks.master and os.path.exists(tmp):  # left by a run killed while saving
         shutil.rmtree(tmp)
     torch.distributed.barrier()
-    # (a LoRA run's frozen base is no part of its checkpoints: only what trains, and its AdamW state)
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)  # returns when all have written
+    dcp.save(state, checkpoint_id=tmp)  # returns when all have written
     if ranks.master:
         atomic_save(meta, os.path.join(tmp, "meta.pt"))
         if os.path.exists(path):  # the same step saved again (a resumed run re-saving it): same contents
@@ -129,17 +137,17 @@ def load_sharded(path, model, optimizer=None):
     or not sharded at all: each rank reads just the pieces it owns now (DCP reshards on load). Without an optimizer,
     the weights of model that the checkpoint holds (a full run's: all; a LoRA run's: its adapters): returns their names."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
     if optimizer is None:  # what the checkpoint holds decides, not what trains in model (a base under --lora is frozen)
         held = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         state = {"model": {k: v for k, v in model.state_dict().items() if f"model.{k}" in held}}
         dcp.load(state, checkpoint_id=path)
         model.load_state_dict(state["model"], strict=False)
         return set(state["model"])
-    options = StateDictOptions(ignore_frozen_params=True)  # (a LoRA run's: the adapters, not the base)
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
-    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state, options=options)
+    state = state_of(model, optimizer)  # (a LoRA run's: the adapters, not the base)
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=StateDictOptions(ignore_frozen_params=True))
 
 def read_sharded(path, shapes):
     """{name: the whole tensor} of a sharded checkpoint's weights (shapes: {name: shape}), read whole on every rank:

@@ -168,7 +168,7 @@ class Pipeline:
         return None, loss
 
     # -------------------------------------------------------------------------
-    # Checkpoints: the one-process format, so that any layout, sample.py and export_hf.py read them
+    # Checkpoints: each rank writes and reads its stage's part, in the whole model's names (plumbing/parts.py)
 
     def optimizer_names(self, gpt):
         """gpt's trained parameters' names in configure_optimizer's order (decayed matrices first), lm_head's copy
@@ -176,39 +176,47 @@ class Pipeline:
         return [n.replace("lm_head.weight", "transformer.wte.weight") for decay in (True, False)
                 for n, p in gpt.named_parameters() if p.requires_grad and (p.dim() >= 2) == decay]
 
-    def whole_names(self):
+    def whole_model(self):
+        """The whole model on the meta device (shapes, no storage): its names, as one process has them."""
         import lora
         with torch.device("meta"):
             gpt = type(self.stage.gpt)(self.config)
-            return self.optimizer_names(lora.add_adapters(gpt, *self.lora, init=False) if self.lora else gpt)
+            return lora.add_adapters(gpt, *self.lora, init=False) if self.lora else gpt
 
-    def full_state(self, optimizer=None):
-        """(the whole model's state_dict, AdamW's state_dict numbered as one process numbers it, or None) on rank 0,
-        (None, None) elsewhere. Every rank calls it: replica 0's stages send their parts to rank 0 (sharded, each
-        stage's replicas first gather its tensors whole)."""
-        weights = {k.removeprefix("gpt."): whole(v) for k, v in self.stage.state_dict().items()}
-        names = self.optimizer_names(self.stage.gpt)
-        moments = {names[i]: {k: whole(v) for k, v in s.items()}
-                   for i, s in optimizer.state_dict()["state"].items()} if optimizer else None
-        part = (weights, moments) if self.replica == 0 else None
-        parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(part, parts, dst=0)
-        if parts is None:
-            return None, None
-        weights, moments = {}, {}
-        for part in filter(None, parts):  # in stage order: the whole model's key order
-            weights.update(part[0])
-            for name, state in (part[1] or {}).items():
-                moments.setdefault(name, state)  # the tied weight's two copies hold the same moments: one is kept
-        if optimizer is None:
-            return weights, None
-        names = self.whole_names()
-        split = sum(1 for n in names if weights[n].dim() >= 2)
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(ids)}
-                  for g, ids in zip(optimizer.state_dict()["param_groups"], (range(split), range(split, len(names))))]
-        if self.lora:  # a LoRA checkpoint holds the adapters alone, as one process's (lora.adapters)
-            weights = {k: v for k, v in weights.items() if ".lora_" in k}
-        return weights, {"state": {i: moments[n] for i, n in enumerate(names) if n in moments}, "param_groups": groups}
+    def whole_names(self):
+        return self.optimizer_names(self.whole_model())
+
+    def state(self, optimizer):
+        """This stage's weights and AdamW state as DCP writes and reads them: the whole model's names, the tied weight
+        under both of its names on both its stages (written once: they hold it alike), its moments under wte's."""
+        from plumbing import checkpoints, parts
+        state = checkpoints.state_of(self.stage.gpt, optimizer)
+        model, moments = state["model"], state["optimizer"]["state"]
+        for mine, other in (("transformer.wte.weight", "lm_head.weight"), ("lm_head.weight", "transformer.wte.weight")):
+            if mine in model:
+                model[other] = model[mine]
+        if "lm_head.weight" in moments:
+            moments["transformer.wte.weight"] = moments.pop("lm_head.weight")
+        state["optimizer"]["param_groups"] = parts.one_process_groups(parts.trained_names(self.whole_model()),
+                                                                      optimizer.param_groups)
+        return state
+
+    def load_sharded(self, path, optimizer):
+        """A .dcp checkpoint (of any layout) into this stage and its AdamW: DCP reads just this stage's tensors."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from plumbing import parts
+        def into(state):
+            moments = dict(state["optimizer"]["state"])
+            if self.last and "transformer.wte.weight" in moments:
+                moments["lm_head.weight"] = moments.pop("transformer.wte.weight")
+            model = {k: v for k, v in state["model"].items() if k in self.stage.gpt.state_dict()}
+            set_state_dict(self.stage.gpt, optimizer, model_state_dict=model,
+                           optim_state_dict={"state": moments, "param_groups": self.own_groups(optimizer)})
+        parts.load(path, self.state(optimizer), into)
+
+    def own_groups(self, optimizer):
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        return get_optimizer_state_dict(self.stage.gpt, optimizer)["param_groups"]
 
     def load_optimizer_state(self, optimizer, full):
         """A one-process checkpoint's AdamW state (full) into this stage's optimizer: its own parameters' part."""
@@ -224,32 +232,14 @@ class Pipeline:
                  for i, n in enumerate(mine) if whole[n] in full["state"]}
         optimizer.load_state_dict({"state": state, "param_groups": groups})
 
-    def load_sharded(self, path, optimizer):
-        """A sharded run's .dcp checkpoint into this stage and its AdamW: DCP reads just this stage's tensors. The tied
-        weight is saved once, as transformer.wte.weight: the last stage's lm_head and its moments are read from it."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-        names = [("lm_head.weight", "transformer.wte.weight")] if self.last else []
-        def renamed(d, back=False):
-            return {dict(names if not back else [(b, a) for a, b in names]).get(k, k): v for k, v in d.items()}
-        model_state, optimizer_state = get_state_dict(self.stage.gpt, optimizer)
-        state = {"model": renamed(model_state), "optimizer": {"state": renamed(optimizer_state["state"])}}
-        dcp.load(state, checkpoint_id=path)  # (the moments only: the param groups stay this stage's)
-        set_state_dict(self.stage.gpt, optimizer, model_state_dict=renamed(state["model"], back=True),
-                       optim_state_dict={**optimizer_state, "state": renamed(state["optimizer"]["state"], back=True)})
-
     def check_same_weights(self, ranks):
-        """The end-of-run check (world.check_same_weights), for a model in stages: the replicas of each stage hold the
-        same weights, the tied weight's two copies are equal, and rank 0 prints the whole model's digest (the one a
-        single process with the same weights prints)."""
-        from plumbing import world
-        digest = world.state_digest({k: whole(v) for k, v in self.stage.state_dict().items()})  # (sharded: whole)
-        digests = [None] * self.dp
-        dist.all_gather_object(digests, digest, group=self.dp_group)
-        weights, _ = self.full_state()
-        if len(set(digests)) != 1:
-            raise SystemExit(f"error: stage {self.index}'s replicas hold different parameters: {digests}")
-        if ranks.master:
-            if not torch.equal(weights["transformer.wte.weight"], weights["lm_head.weight"]):
-                raise SystemExit("error: the tied weight's copies (wte on the first stage, lm_head on the last) differ")
-            print(f"parameter sha256 (all {ranks.world_size} rank(s)): {world.state_digest(weights)}", flush=True)
+        """The end-of-run check (world.check_same_weights), for a model in stages, by digests (plumbing/parts.py): the
+        replicas of each stage hold the same weights, and the tied weight's two copies are equal."""
+        from plumbing import parts
+        gpt, tied = self.stage.gpt, {}
+        if self.pp > 1 and (self.first or self.last):
+            tied["the tied weight (wte, lm_head)"] = parts.digest({"w": whole(
+                (gpt.transformer.wte if self.first else gpt.lm_head).weight)})  # (sharded: gathered, this one tensor)
+        # sharded stages: each of a stage's ranks holds its own pieces (nothing to compare); else whole copies
+        replica, position = (0, (self.index, self.replica)) if self.shard != "none" else (self.replica, self.index)
+        parts.check_same_parts(ranks, self.stage.state_dict(), replica, position, tied)

@@ -156,34 +156,38 @@ class TensorParallel:
         name_of = {id(p): n for n, p in self.model.named_parameters()}
         return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
-    def whole(self, name, t):
-        """The whole tensor of a parameter (or of its AdamW moment), in the one-process layout; every rank of the
-        tensor-parallel group calls it (a split one is all-gathered)."""
-        t = t.full_tensor() if hasattr(t, "full_tensor") else t
-        return to_rank_order(t, self.config.n_embd, self.tp, inverse=True) if is_c_attn(name) and t.dim() else t
+    def state(self, optimizer):
+        """This rank's share of the weights and AdamW state as DCP writes and reads them (plumbing/parts.py): the whole
+        model's names and places; c_attn's rows, held in the ranks' order, as their three blocks of the whole."""
+        from plumbing import checkpoints, parts
+        state = checkpoints.state_of(self.model, optimizer)
+        pieces = lambda t: parts.as_pieces(t, self.config.n_embd, self.tp, self.tp_group)  # noqa: E731
+        for name in [n for n in state["model"] if is_c_attn(n)]:
+            state["model"][name] = pieces(state["model"][name])
+            if name in state["optimizer"]["state"]:  # (a new dict: the optimizer's own holds its tensors)
+                moments = state["optimizer"]["state"][name]
+                state["optimizer"]["state"][name] = {k: pieces(v) if v.dim() else v for k, v in moments.items()}
+        names = parts.trained_names(self.whole_model())
+        state["optimizer"]["param_groups"] = parts.one_process_groups(names, optimizer.param_groups)
+        return state
 
-    def full_state(self, optimizer=None):
-        """(the whole model's state_dict, AdamW's state_dict numbered as one process numbers it, or None) on rank 0,
-        (None, None) elsewhere. Every rank calls it; replica 0's ranks gather the split tensors."""
-        if self.replica != 0:
-            return None, None
-        weights = {k: self.whole(k, v.detach()) for k, v in self.model.state_dict().items()}
-        moments = None
-        if optimizer is not None:
-            saved, names = optimizer.state_dict(), self.optimizer_names(optimizer)
-            moments = {names[i]: {k: self.whole(names[i], v) for k, v in s.items()} for i, s in saved["state"].items()}
-        if dist.get_rank() != 0:
-            return None, None
-        if optimizer is None:
-            return weights, None
-        order = self.one_process_names()
-        split = sum(1 for n in order if weights[n].dim() >= 2)
-        groups = []  # one process's two: the matrices (decayed), the rest; with the hyperparameters of ours
-        for ids, want_decay in ((range(split), True), (range(split, len(order)), False)):
-            group = next(g for g, ours in zip(saved["param_groups"], optimizer.param_groups)
-                         if ours["params"] and (ours["params"][0].dim() >= 2) == want_decay)
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(ids)})
-        return weights, {"state": {i: moments[n] for i, n in enumerate(order) if n in moments}, "param_groups": groups}
+    def whole_model(self):
+        with torch.device("meta"):
+            return type(self.model)(self.config)
+
+    def load_sharded(self, path, optimizer):
+        """A .dcp checkpoint (of any layout) into this rank's share and its AdamW: DCP reads just this rank's pieces,
+        into the tensors that get_state_dict hands out, which set_state_dict then puts in place."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from plumbing import parts
+        model_state, optimizer_state = get_state_dict(self.model, optimizer)
+        def into(_):  # (the pieces DCP filled are views of model_state's and optimizer_state's tensors)
+            set_state_dict(self.model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+        pieces = lambda t: parts.as_pieces(t, self.config.n_embd, self.tp, self.tp_group) if hasattr(t, "to_local") else t  # noqa: E731
+        state = {"model": {n: pieces(v) if is_c_attn(n) else v for n, v in model_state.items()},
+                 "optimizer": {"state": {n: {k: pieces(v) if is_c_attn(n) and v.dim() else v for k, v in m.items()}
+                                         for n, m in optimizer_state["state"].items()}}}
+        parts.load(path, state, into)
 
     def load_optimizer_state(self, optimizer, full):
         """A one-process checkpoint's AdamW state (full) into this rank's optimizer: its own shares of the moments."""
@@ -210,17 +214,10 @@ class TensorParallel:
         optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def check_same_weights(self, ranks):
-        """The end-of-run check (world.check_same_weights), for a split model: the replicas hold the same shares, and
-        rank 0 prints the whole model's digest (the one a single process with the same weights prints)."""
-        from plumbing import world
-        digest = world.state_digest({k: local(v) for k, v in self.model.state_dict().items()})
-        digests = [None] * self.dp
-        dist.all_gather_object(digests, digest, group=self.dp_group)
-        if len(set(digests)) != 1:
-            raise SystemExit(f"error: the data-parallel replicas hold different parameters: {digests}")
-        weights, _ = self.full_state()
-        if ranks.master:
-            print(f"parameter sha256 (all {ranks.world_size} rank(s)): {world.state_digest(weights)}", flush=True)
+        """The end-of-run check (world.check_same_weights), for a split model, by digests (plumbing/parts.py): the
+        replicas hold the same shares."""
+        from plumbing import parts
+        parts.check_same_parts(ranks, self.model.state_dict(), self.replica, dist.get_rank(self.tp_group))
 
 # -----------------------------------------------------------------------------
 # What each rank holds and sends, computed

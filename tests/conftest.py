@@ -101,6 +101,16 @@ def run_train(args, launcher=(), check=True, env=None, timeout=600, cwd=None):
     return proc
 
 
+def stopped_after_step_3(run_dir, copy):
+    """A copy of a finished run's folder as if it had stopped after its first checkpoint (step 3): later ones removed."""
+    import shutil
+    import train_gpt2
+    shutil.copytree(run_dir, copy)
+    for f in train_gpt2.list_checkpoints(str(copy))[1:]:
+        shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)  # (a .dcp is a folder)
+    return copy
+
+
 def read_log(log_dir, kind):
     """{step: value} of one kind of line ('train', 'val', 'hella') in log_dir/log.txt."""
     out = {}

@@ -95,7 +95,7 @@ def test_lora_on_a_sharded_base_reads_the_base(tmp_path):
     path = str(tmp_path / "model_00005.dcp")
     with one_rank_group() as ranks:   # a sharded run's checkpoint, as save_checkpoint writes it (the base: all of it)
         optimizer, _ = full.configure_optimizer(0.1, 1e-3, "cpu")
-        checkpoints.save_sharded(path, full, optimizer, {"config": vars(SMALL), "step": 5, "task": None, "lora": None},
+        checkpoints.save_sharded(path, checkpoints.state_of(full, optimizer), {"config": vars(SMALL), "step": 5, "task": None, "lora": None},
                                  ranks)
     model = train_gpt2.load_model(path, lambda config, init_weights=False: with_adapters(config))[0]
     assert len(lora.adapted(model)) == 2

@@ -7,7 +7,6 @@ final weights they match to about 1e-6.
 """
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -15,7 +14,7 @@ import pytest
 
 import train_gpt2
 from conftest import (LIMIT, RECORDING_RANK, REPO, clean_env, final_weights_diff, make_shards, printed_norms, read_log,
-                      run_launched, run_train, tiny_run_args, torchrun)
+                      run_launched, run_train, stopped_after_step_3, tiny_run_args, torchrun)
 from plumbing import stage_split
 from test_distributed import assert_same_run
 
@@ -75,23 +74,16 @@ def test_pipeline_equals_one_process(data, single, pp2, pp2_full, tmp_path, rank
     assert final_weights_diff(single[0], log_dir) <= TOL
     norms, reference = printed_norms(proc.stdout), printed_norms(single[1].stdout)
     assert len(norms) == 6 and max(abs(a - b) for a, b in zip(norms, reference)) <= 2e-4, (norms, reference)
-    assert re.search(rf"parameter sha256 \(all {ranks} rank\(s\)\): [0-9a-f]{{64}}", proc.stdout)
-
-
-def stopped_after_step_3(run_dir, copy):
-    shutil.copytree(run_dir, copy)
-    for f in train_gpt2.list_checkpoints(str(copy))[1:]:
-        shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)  # (a sharded run's .dcp is a folder)
-    return copy
+    assert re.search(rf"parameter sha256 \(all {ranks} rank\(s\), of the parts\): [0-9a-f]{{64}}", proc.stdout)
 
 
 def test_checkpoints_cross_layouts(data, single, pp2, tmp_path):
-    """A pipeline's checkpoint is one process's format: it resumes on one process, and one process's (which is also
-    DDP's) resumes on a pipeline, each continuing the uninterrupted run; sample.py reads it."""
-    assert sorted(os.listdir(pp2[0])) == ["args.json", "lock", "log.txt", "model_00003.pt", "model_00006.pt"]
+    """A pipeline's checkpoint is a .dcp folder each stage wrote its part of, in the whole model's names: it resumes on
+    one process, and one process's .pt resumes on a pipeline, each continuing the uninterrupted run; sample.py reads it."""
+    assert sorted(os.listdir(pp2[0])) == ["args.json", "lock", "log.txt", "model_00003.dcp", "model_00006.dcp"]
     to_one = stopped_after_step_3(pp2[0], tmp_path / "to_one")
     proc = run_train(["--resume", "--log_dir", to_one], env=clean_env(), timeout=LIMIT)
-    assert "model_00003.pt at step 3" in proc.stdout and "pipeline:" not in proc.stdout
+    assert "model_00003.dcp at step 3" in proc.stdout and "pipeline:" not in proc.stdout
     assert_same_run(single[0], to_one)
     assert final_weights_diff(single[0], to_one) <= TOL
     to_pp = stopped_after_step_3(single[0], tmp_path / "to_pp")
@@ -99,18 +91,18 @@ def test_checkpoints_cross_layouts(data, single, pp2, tmp_path):
     assert "model_00003.pt at step 3" in proc.stdout and "pipeline: 2 stages" in proc.stdout
     assert_same_run(single[0], to_pp)
     assert final_weights_diff(single[0], to_pp) <= TOL
-    sample = subprocess.run([sys.executable, "sample.py", "--ckpt_path", str(pp2[0] / "model_00006.pt"), "--max_new_tokens",
+    sample = subprocess.run([sys.executable, "sample.py", "--ckpt_path", str(pp2[0] / "model_00006.dcp"), "--max_new_tokens",
                              "4", "--num_samples", "1"], cwd=REPO, capture_output=True, text=True, env=clean_env())
     assert sample.returncode == 0, sample.stderr
 
 
 def test_sharded_stages_checkpoint_resumes_on_one_process(single, pp2_full, tmp_path):
-    """Stages sharded over their replicas gather their weights and AdamW moments whole for rank 0's one-process .pt:
-    it resumes on one process and continues the uninterrupted run."""
-    assert "model_00003.pt" in os.listdir(pp2_full[0]) and "each stage sharded over its replicas" in pp2_full[1].stdout
+    """Stages sharded over their replicas write their pieces of the weights and AdamW moments (no rank gathers them):
+    the .dcp resumes on one process and continues the uninterrupted run."""
+    assert "model_00003.dcp" in os.listdir(pp2_full[0]) and "each stage sharded over its replicas" in pp2_full[1].stdout
     to_one = stopped_after_step_3(pp2_full[0], tmp_path / "to_one")
     proc = run_train(["--resume", "--log_dir", to_one], env=clean_env(), timeout=LIMIT)
-    assert "model_00003.pt at step 3" in proc.stdout and "pipeline:" not in proc.stdout
+    assert "model_00003.dcp at step 3" in proc.stdout and "pipeline:" not in proc.stdout
     assert sorted(read_log(to_one, "train")) == [0, 1, 2, 3, 4, 5]
     assert_same_run(single[0], to_one)
     assert final_weights_diff(single[0], to_one) <= TOL

@@ -5,16 +5,14 @@ layouts refused with one line.
 
 The tiny model (2 heads, 32 wide): with --tp 2 each rank computes one head and 64 of the MLP's 128 columns.
 """
-import os
 import re
-import shutil
 
 import pytest
 import torch
 
 import train_gpt2
 from conftest import (LIMIT, TINY_MODEL, clean_env, final_weights_diff, make_shards, printed_norms, run_launched,
-                      run_train, tiny_run_args, torchrun)
+                      run_train, stopped_after_step_3, tiny_run_args, torchrun)
 from plumbing import tensor_parallel
 from test_distributed import assert_same_run
 
@@ -72,7 +70,7 @@ def test_tensor_parallel_equals_one_process(data, single, tp2, tmp_path, ranks):
     assert final_weights_diff(single[0], log_dir) <= TOL
     norms, reference = printed_norms(proc.stdout), printed_norms(single[1].stdout)
     assert len(norms) == 6 and max(abs(a - b) for a, b in zip(norms, reference)) <= 2e-4, (norms, reference)
-    assert re.search(rf"parameter sha256 \(all {ranks} rank\(s\)\): [0-9a-f]{{64}}", proc.stdout)
+    assert re.search(rf"parameter sha256 \(all {ranks} rank\(s\), of the parts\): [0-9a-f]{{64}}", proc.stdout)
     assert_exported_equals_trained(log_dir, single[0], tmp_path / "hf")
 
 
@@ -95,20 +93,14 @@ def assert_exported_equals_trained(log_dir, single_dir, out):
     assert diff <= TOL
 
 
-def stopped_after_step_3(run_dir, copy):
-    shutil.copytree(run_dir, copy)
-    for f in train_gpt2.list_checkpoints(str(copy))[1:]:
-        os.remove(f)
-    return copy
-
-
 @pytest.mark.xdist_group("multiprocess")
 def test_checkpoints_cross_layouts(single, tp2, tmp_path):
-    """A --tp checkpoint is one process's format (c_attn's rows back in q, k, v order): it resumes on one process,
-    and one process's resumes under --tp 2, each continuing the uninterrupted run."""
+    """A --tp checkpoint is a .dcp folder each rank wrote its share of, in the whole model's names and places (c_attn's
+    rows as their q, k and v blocks): it resumes on one process, and one process's .pt resumes under --tp 2, each
+    continuing the uninterrupted run."""
     to_one = stopped_after_step_3(tp2[0], tmp_path / "to_one")
     proc = run_train(["--resume", "--log_dir", to_one, *EAGER], env=clean_env(), timeout=LIMIT)
-    assert "model_00003.pt at step 3" in proc.stdout and "tensor parallel:" not in proc.stdout
+    assert "model_00003.dcp at step 3" in proc.stdout and "tensor parallel:" not in proc.stdout
     assert_same_run(single[0], to_one)
     assert final_weights_diff(single[0], to_one) <= TOL
     to_tp = stopped_after_step_3(single[0], tmp_path / "to_tp")

@@ -1,0 +1,82 @@
+"""
+A model held in parts (a pipeline's stages, tensor parallel's shares): its checkpoints and its end-of-run check,
+without any rank ever holding more than its part.
+
+Checkpoints are torch.distributed.checkpoint (DCP) folders in the whole model's names: every rank writes the tensors
+it holds (a DTensor: its piece, with the piece's place in the whole tensor) and reads back the ones it holds now, so
+a checkpoint written by one layout loads under any other, and on one process (DCP matches the pieces by name and
+place). A tensor two ranks hold alike (a replica's, the tied weight's two copies) is written once.
+
+Tensor parallel's c_attn is the one tensor whose piece is not one block of the whole: its rows are held in the ranks'
+order (tensor_parallel.rank_order: q, k and v of rank 0's heads, then rank 1's, ...), so a rank's rows are three
+blocks of the whole, one each in q, k and v. as_pieces() names those three blocks and their places for DCP (a
+ShardedTensor, which may hold several pieces a rank), as views of the rank's own tensor: written from, and read into,
+in place.
+"""
+import hashlib
+
+import torch.distributed as dist
+
+def one_process_groups(names, groups):
+    """AdamW's param_groups as a one-process run's checkpoint names them (get_state_dict): the whole model's trained
+    parameters, decayed matrices first (GPT.configure_optimizer), with this rank's hyperparameters for each kind.
+    names: [(name, is a matrix)] of the whole model; groups: this rank's optimizer.param_groups."""
+    out = []
+    for matrices in (True, False):
+        mine = [g for g in groups if g["params"] and (g["params"][0].dim() >= 2) == matrices] or [groups[0] if matrices else groups[-1]]
+        out.append({**{k: v for k, v in mine[0].items() if k != "params"}, "params": [n for n, m in names if m == matrices]})
+    return out
+
+def trained_names(gpt_meta):
+    """[(name, is a matrix)] of a whole GPT's trained parameters (the tied weight once: transformer.wte.weight)."""
+    return [(n, p.dim() >= 2) for n, p in gpt_meta.named_parameters() if p.requires_grad]
+
+def as_pieces(t, n_embd, tp, group):
+    """c_attn's weight or bias (or an AdamW moment of it), split by tensor parallel in the ranks' order, as DCP should
+    see it: this rank's rows are q's, k's and v's rows of its heads, at rows p C + r C/tp of the whole (p = 0, 1, 2)."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+    local, rank, share = t.to_local(), dist.get_rank(group), n_embd // tp
+    pieces = [Shard(block, ShardMetadata([p * n_embd + rank * share, *[0] * (t.dim() - 1)], list(block.shape),
+                                         f"rank:{dist.get_rank()}/{local.device.type}"))  # (where: the global rank)
+              for p, block in enumerate(local.split(share))]
+    return init_from_local_shards(pieces, list(t.shape), process_group=group)
+
+def load(path, state, into):
+    """Read a checkpoint's tensors for this rank's part: state (what DCP fills, in place, in the whole model's names),
+    then into(state) puts them where they go. The optimizer's param_groups stay this rank's (only the moments are read)."""
+    import torch.distributed.checkpoint as dcp
+    state = {"model": state["model"], "optimizer": {"state": state["optimizer"]["state"]}}
+    dcp.load(state, checkpoint_id=path)
+    into(state)
+
+def digest(tensors):
+    """sha256 of this rank's tensors (its pieces of split ones), in sorted name order."""
+    checksum = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name]
+        t = t.to_local() if hasattr(t, "to_local") else t
+        checksum.update(name.encode())
+        checksum.update(t.detach().float().contiguous().numpy())
+    return checksum.hexdigest()
+
+def check_same_parts(ranks, part, replica, position, equal=None):
+    """The end-of-run check for a model in parts: every data-parallel replica holds the same parts (each rank's digest
+    against the same position's in replica 0), the pairs that must agree inside a replica do (equal: {key: digest},
+    e.g. the tied weight's two copies), and rank 0 prints one digest of replica 0's parts. Only digests travel."""
+    mine = (replica, position, digest(part), equal or {})
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    first = {pos: d for rep, pos, d, _ in everyone if rep == 0}
+    for rep, pos, d, _ in everyone:
+        if d != first[pos]:
+            raise SystemExit(f"error: replica {rep} holds different parameters than replica 0 at part {pos}")
+    for rep in {r for r, *_ in everyone}:
+        seen = {}
+        for r, _, _, eq in everyone:
+            for key, value in eq.items() if r == rep else ():
+                if seen.setdefault(key, value) != value:
+                    raise SystemExit(f"error: replica {rep}'s copies of {key} differ")
+    if ranks.master:
+        whole = hashlib.sha256("".join(first[pos] for pos in sorted(first)).encode()).hexdigest()
+        print(f"parameter sha256 (all {ranks.world_size} rank(s), of the parts): {whole}", flush=True)
