@@ -109,11 +109,15 @@ def init_adapters(model, seed=0):
     sharded, in bf16, or loaded: each draws differently from torch's generator), a sharded model's ranks keeping
     their pieces of them."""
     generator = torch.Generator().manual_seed(seed)
-    for _, linear in adapted(model):
-        A = torch.empty(linear.lora_A.shape)
-        nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=generator)
-        copy_weight(linear.lora_A, A)
-        copy_weight(linear.lora_B, torch.zeros(linear.lora_B.shape))
+    present = dict(adapted(model))  # (a pipeline's stage holds some blocks: the others' draws are made and dropped)
+    kinds = {name.split(".", 3)[3]: linear.lora_A.shape for name, linear in present.items()}  # attn.c_attn: (R, C), ...
+    for i in range(model.config.n_layer):
+        for kind, shape in kinds.items():
+            A = torch.empty(shape)
+            nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=generator)
+            if (linear := present.get(f"transformer.h.{i}.{kind}")) is not None:
+                copy_weight(linear.lora_A, A)
+                copy_weight(linear.lora_B, torch.zeros(linear.lora_B.shape))
 
 def merge(model):
     """W += (alpha / R) B A in every adapted layer, which becomes a plain Linear again: the model for inference."""

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from plumbing import attention, checkpoints, cpu, inputs, layouts, pipeline, sharding, speedups, tensor_parallel, world
+from plumbing import attention, checkpoints, cpu, inputs, layouts, parts, pipeline, sharding, speedups, tensor_parallel, world
 from plumbing.checkpoints import append_log, checkpoint_path, list_checkpoints, load_checkpoint
 from plumbing.fused_loss import IGNORE, lm_head_loss
 import dataloader
@@ -509,6 +509,8 @@ def build_model(run, ckpt):
             return lora.add_adapters(model, args.lora, args.lora_alpha, args.lora_targets, init=False) if args.lora else model
         if run.sharded:
             return sharding.build_sharded(make, ranks, run.dtype == "bf16", init_weights, args.shard == "grads")
+        if run.in_parts and not (args.lora and run.dtype == "bf16"):  # a stage, a share: built alone
+            return parts.build_part(make, args, ranks, init_weights)
         return sharding.build_in(torch.bfloat16, make, init_weights) if args.lora and run.dtype == "bf16" else make()
     if ckpt is not None and not ckpt["sharded_path"] and not args.lora:
         model = GPT.from_checkpoint(ckpt, build)

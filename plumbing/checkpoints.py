@@ -146,8 +146,9 @@ def load_sharded(path, model, optimizer=None):
         return set(state["model"])
     state = state_of(model, optimizer)  # (a LoRA run's: the adapters, not the base)
     dcp.load(state, checkpoint_id=path)
+    # (not strict: a LoRA run's frozen base is not asked for; DCP has already refused a checkpoint missing what trains)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=StateDictOptions(ignore_frozen_params=True))
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
 
 def read_sharded(path, shapes):
     """{name: the whole tensor} of a sharded checkpoint's weights (shapes: {name: shape}), read whole on every rank:

@@ -84,6 +84,8 @@ def copy_pretrained_weights(weights_file, params, transposed):
     try:
         with safe_open(weights_file, framework="pt") as f:
             theirs = {"transformer." + k.removeprefix("transformer."): k for k in f.keys()}
+            if "transformer.wte.weight" in theirs:  # lm_head is wte (tied): a pipeline's last stage holds it as lm_head's
+                theirs.setdefault("lm_head.weight", theirs["transformer.wte.weight"])
             missing = [k for k in params if k not in theirs]
             if missing:
                 raise SystemExit(f"error: {weights_file} lacks {len(missing)} GPT-2 tensors, e.g. {missing[0]}")

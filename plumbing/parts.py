@@ -17,6 +17,21 @@ import hashlib
 
 import torch.distributed as dist
 
+def build_part(make, args, ranks, init_weights):
+    """make()'s model, as this rank holds it under --pp (its stage) or --tp (its share of every block), built alone:
+    on the meta device, cut or split, then given memory for its part only, and filled with exactly the weights one
+    process gets for the same seed (sharding.build_in_pieces), or left for a checkpoint's or pretrained weights."""
+    from plumbing import sharding, stage_split, tensor_parallel
+    def allocate(model):
+        if args.pp > 1:
+            index = ranks.rank % args.pp
+            bounds = stage_split.stage_bounds(model.config, args.pp, args.seq_len)
+            stage_split.cut_to_stage(model, index, args.pp, bounds[index]).to_empty(device="cpu")
+        else:
+            mesh = tensor_parallel.mesh_of(ranks.world_size, args.tp, ranks.device.split(":")[0])
+            tensor_parallel.split_model(model, mesh["tp"], args.tp)
+    return sharding.build_in_pieces(make, allocate, init_weights)
+
 def one_process_groups(names, groups):
     """AdamW's param_groups as a one-process run's checkpoint names them (get_state_dict): the whole model's trained
     parameters, decayed matrices first (GPT.configure_optimizer), with this rank's hyperparameters for each kind.

@@ -16,7 +16,7 @@ between the first and the last stage), so they stay equal, and gradient clipping
 import torch
 import torch.distributed as dist
 
-from plumbing.stage_split import Side, Stage, Target, plan_line, split_blocks, stage_costs
+from plumbing.stage_split import Side, Stage, Target, plan_line, stage_bounds
 
 def replica_ranks(ranks, pp):
     """This rank as the data loader sees it: its data-parallel replica among the replicas (every stage of a replica
@@ -75,8 +75,7 @@ class Pipeline:
         # the tied weight's two copies: one group per replica, its first and last stage (every rank makes every group)
         tied = [dist.new_group([d * self.pp, d * self.pp + self.pp - 1]) for d in range(self.dp)]
         self.tied_group = tied[self.replica]
-        block_cost, head_cost = stage_costs(model.config, args.seq_len)
-        self.bounds = split_blocks(model.config.n_layer, self.pp, block_cost, head_cost)
+        self.bounds = stage_bounds(model.config, self.pp, args.seq_len)
         self.stage = Stage(model, self.index, self.pp, self.bounds[self.index], dtype, device_type)
         self.first, self.last = self.stage.first, self.stage.last
         self.shard = args.shard if self.dp > 1 else "none"  # (one replica: nothing to split)

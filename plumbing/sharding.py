@@ -53,44 +53,63 @@ def build_in(dtype, build, init_weights=True):
     return build_in_pieces(build, allocate, init_weights)
 
 def build_in_pieces(build, allocate, init_weights=True):
-    """build() on the meta device, allocate(model) gives it memory (each rank's pieces, or another dtype), then
-    init_weights: fill it with exactly the weights that build() would give (so a sharded run starts where a DDP run
-    does), one module at a time; else leave them for a checkpoint or pretrained weights.
-    The replay: every module's constructor draws its own random init (which GPT._init_weights then
-    overwrites, but the draws move the random generator), so first each module's constructor init is drawn
-    and dropped, in construction order; then, in _init_weights' order, each module is made in full on its
-    own, initialized, and copied into the model's (a rank keeping its piece of every parameter)."""
+    """build() on the meta device, allocate(model) gives it memory (each rank's pieces, another dtype, or a part: a
+    pipeline's stage, tensor parallel's share), then init_weights: fill it with exactly the weights that build() would
+    give (so a run in parts starts where one process does), one module at a time; else leave them for a checkpoint or
+    pretrained weights.
+    The replay: every module's constructor draws its own random init (which GPT._init_weights then overwrites, but
+    the draws move the random generator), so first each module's constructor init is drawn and dropped, in
+    construction order; then, in _init_weights' order, each module of the whole model is made in full on its own,
+    initialized, and copied into what this rank holds of it (nothing, if allocate dropped it: a stage's other blocks).
+    A weight two modules share (wte and lm_head) is found under either name: a stage may hold it under one only."""
     import copy
     with torch.device("meta"):
         model = build()
-    empty_copy = {n: copy.deepcopy(m) for n, m in model.named_modules()  # still on meta: no memory yet
-                  if next(m.parameters(recurse=False), None) is not None}  # (the modules that own parameters)
+    owners = [(n, m) for n, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None]
+    empty_copy = {n: copy.deepcopy(m) for n, m in owners}  # still on meta: no memory yet
+    order = []
+    model.apply(order.append)  # the order GPT.__init__'s self.apply(self._init_weights) visits modules
+    name_of = {id(m): n for n, m in model.named_modules()}
+    order = [name_of[id(m)] for m in order if name_of[id(m)] in empty_copy]
+    names = {}  # every name of each parameter (the tied weight has two)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    also = {name: names[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
     allocate(model)
+    retie(model, also)
     if not init_weights:
         return model
     for empty in empty_copy.values():  # registration order is construction order for GPT
         copy.deepcopy(empty).to_empty(device="cpu").reset_parameters()
-    order = []
-    model.apply(order.append)  # the order GPT.__init__'s self.apply(self._init_weights) visits modules
-    name_of = {id(m): n for n, m in model.named_modules()}
+    held = dict(model.named_parameters(remove_duplicate=False))
     with torch.no_grad():
-        for module in order:
-            name = name_of[id(module)]
-            if name not in empty_copy:
-                continue
+        for name in order:
             full = copy.deepcopy(empty_copy[name]).to_empty(device="cpu")
             with torch.random.fork_rng(devices=[]):  # the constructor's values, for what _init_weights leaves (LayerNorm)
                 full.reset_parameters()
             model._init_weights(full)
             for key, value in full.named_parameters(recurse=False):
-                copy_weight(getattr(module, key), value)
+                mine = {id(held[n]): held[n] for n in also[f"{name}.{key}" if name else key] if n in held}
+                for param in mine.values():
+                    copy_weight(param, value)
     return model
 
+def retie(model, also):
+    """A weight that two modules shared on the meta device shares one tensor again where this rank holds both names
+    (to_empty gave each module's its own storage: wte and lm_head would train apart). also: {name: all its names}."""
+    held = dict(model.named_parameters(remove_duplicate=False))
+    for name, same in also.items():
+        if name in held and same[0] in held and held[name] is not held[same[0]]:
+            owner, _, key = name.rpartition(".")
+            setattr(model.get_submodule(owner), key, held[same[0]])
+
 def copy_weight(param, full):
-    """param = full; for a sharded parameter (a DTensor), just the piece of full that this rank holds."""
+    """param = full; for a sharded parameter (a DTensor), just the piece of full that this rank holds (in the order
+    param.from_whole gives, where a layout holds its rows in another order: tensor parallel's c_attn)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
     with torch.no_grad():
         if isinstance(param, DTensor):
+            full = param.from_whole(full) if hasattr(param, "from_whole") else full
             param, full = param.to_local(), distribute_tensor(full, param.device_mesh, param.placements,
                                                               src_data_rank=None).to_local()
         param.copy_(full)

@@ -61,6 +61,24 @@ def split_blocks(n_layer, n_stages, block_cost, head_cost):
         b = cut[s][b]
     return bounds[::-1]
 
+def stage_bounds(config, n_stages, seq_len):
+    """Each stage's (first block, end), balanced by compute (split_blocks)."""
+    return split_blocks(config.n_layer, n_stages, *stage_costs(config, seq_len))
+
+def cut_to_stage(gpt, index, n_stages, blocks):
+    """gpt, in place, with what other stages hold removed: their blocks become Identity, so the parameters keep the
+    whole model's names, as checkpoints have them; the embeddings stay on the first stage, ln_f and lm_head on the
+    last. On the meta device (before any storage: a rank builds only its stage), or again on a cut one (no change)."""
+    for i in range(len(gpt.transformer.h)):
+        if i not in range(*blocks):
+            gpt.transformer.h[i] = nn.Identity()
+    if index > 0 and "wte" in gpt.transformer:
+        del gpt.transformer["wte"], gpt.transformer["wpe"]
+    if index < n_stages - 1 and "ln_f" in gpt.transformer:
+        del gpt.transformer["ln_f"]
+        gpt.lm_head = None
+    return gpt
+
 class Stage(nn.Module):
     """One stage of a GPT: the GPT itself with what other stages hold removed (their blocks become Identity, so the
     parameters keep the whole model's names, as checkpoints have them). Inputs: token ids (first stage) or the
@@ -72,15 +90,7 @@ class Stage(nn.Module):
         from plumbing import speedups  # the run's autocast, made afresh for each forward (the schedule runs them)
         self.autocast = lambda: speedups.autocast(dtype, device_type)
         self.first, self.last, self.blocks = index == 0, index == n_stages - 1, range(*blocks)
-        for i in range(len(gpt.transformer.h)):
-            if i not in self.blocks:
-                gpt.transformer.h[i] = nn.Identity()
-        if not self.first:
-            del gpt.transformer["wte"], gpt.transformer["wpe"]
-        if not self.last:
-            del gpt.transformer["ln_f"]
-            gpt.lm_head = None
-        self.gpt = gpt
+        self.gpt = cut_to_stage(gpt, index, n_stages, blocks)
 
     def forward(self, x, side=None):
         with self.autocast():

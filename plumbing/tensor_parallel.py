@@ -16,6 +16,8 @@ One device mesh, (dp, tp): rank r is tensor-parallel rank r % tp of data-paralle
 read the same micro-batches; the replicas average their gradients, as DDP does, once a step. Checkpoints stay in the
 one-process (Hugging Face) layout: any layout, sample.py and export_hf.py read them.
 """
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -66,6 +68,24 @@ def split_block(block, mesh, tp):
                                      "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()})
     block.attn.n_head, block.attn.n_embd = block.attn.n_head // tp, block.attn.n_embd // tp  # its view of q, k, v
 
+def split_model(model, mesh, tp):
+    """Every block of model split over the mesh's tp ranks, in place, on the meta device (shapes, no storage: a rank
+    builds only its share), then given memory. c_attn's weight and bias learn to take a whole tensor's rows in the
+    ranks' order (from_whole: sharding.copy_weight asks it, for the initial weights as for a checkpoint's)."""
+    for block in model.transformer.h:
+        split_block(block, mesh, tp)
+    model.to_empty(device="cpu")
+    for block in model.transformer.h:
+        for p in (block.attn.c_attn.weight, block.attn.c_attn.bias):
+            p.from_whole = lambda full, C=model.config.n_embd: to_rank_order(full, C, tp)
+
+@functools.cache
+def mesh_of(world_size, tp, device_type):
+    """The (dp, tp) device mesh: rank r is tensor-parallel rank r % tp of replica r // tp. Made once a process (every
+    rank makes it together), for the build and then for the step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(device_type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+
 def local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -77,18 +97,17 @@ class TensorParallel:
     optimizer step's forward and backward; calling it evaluates a batch. The same interface as pipeline.Pipeline."""
 
     def __init__(self, model, args, ranks, n_microbatches, print0, dtype="fp32"):
-        from torch.distributed.device_mesh import init_device_mesh
         from plumbing import speedups
         config = model.config
         check_divides(args.tp, config.n_head, config.n_embd)  # (a pretrained model's or a checkpoint's own sizes)
         self.tp, self.dp, self.config, self.model = args.tp, ranks.world_size // args.tp, config, model
         self.replica, self.device = ranks.rank // self.tp, ranks.device
         device_type = ranks.device.split(":")[0]
-        self.mesh = init_device_mesh(device_type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
+        self.mesh = mesh_of(ranks.world_size, self.tp, device_type)
         self.tp_group, self.dp_group = self.mesh.get_group("tp"), self.mesh.get_group("dp")
         self.autocast = lambda: speedups.autocast(dtype, device_type)
-        with torch.no_grad():
-            for block in model.transformer.h:
+        with torch.no_grad():  # (a model built whole, as a test builds it: split here; a run builds it split)
+            for block in model.transformer.h if not hasattr(model.transformer.h[0].attn.c_attn.weight, "placements") else ():
                 attn = block.attn
                 attn.c_attn.weight.copy_(to_rank_order(attn.c_attn.weight, config.n_embd, self.tp))
                 attn.c_attn.bias.copy_(to_rank_order(attn.c_attn.bias, config.n_embd, self.tp))
