@@ -259,7 +259,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& d_out,
   return {dq, dk, dv};
 }
 
-bool available() { return at::native::cpublas::could_pack(at::kBFloat16); }
+// Whether oneDNN's brgemm runs bf16 here: with AMX tiles (could_pack), or, on AVX512-BF16 CPUs without AMX (AMD Zen 4
+// and 5, Xeons of Cooper Lake), with its AVX-512 kernels (vdpbf16ps, reading the same VNNI pairs). Tried on one
+// small product against the exact sum: a CPU oneDNN takes no bf16 brgemm on throws, and that says no.
+bool available() {
+  if (at::native::cpublas::could_pack(at::kBFloat16)) return true;
+  constexpr int64_t M = 4, N = 16, K = 32;
+  BFloat16 a[M * K], b[K * N];  // b: VNNI pairs [K/2][N][2]
+  float c[M * N];
+  for (int64_t i = 0; i < M * K; ++i) a[i] = BFloat16(float(i % 7) - 3.0f);
+  for (int64_t i = 0; i < K * N; ++i) b[i] = BFloat16(float(i % 5) - 2.0f);
+  try {
+    at::native::cpublas::brgemm(M, N, K, K, N, N, false, a, b, c, true);
+    at::native::cpublas::brgemm_release(true);
+  } catch (const c10::Error&) {
+    return false;
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      float sum = 0.0f;  // (small integers: exact in fp32, whatever the order)
+      for (int64_t k = 0; k < K; ++k) sum += float(a[m * K + k]) * float(b[(k / 2) * 2 * N + 2 * n + k % 2]);
+      if (c[m * N + n] != sum) return false;
+    }
+  return true;
+}
 
 // How many threads at::parallel_for hands the work to. It is inline code that runs on OpenMP's threads only where the
 // extension itself is compiled with -fopenmp; without it, it quietly runs the whole loop on one thread (seen: the

@@ -46,7 +46,7 @@ def choose(dtype, batch_size, n_head, seq_len, head_size, ranks=None):
     if best is None:
         return f"attention: PyTorch's (scaled_dot_product_attention; {why_not})"
     times = f"{1000 * best['ours']:.0f} ms vs PyTorch's {1000 * best['sdpa']:.0f} ms of CPU time"
-    return (f"attention: {'ours (attention.cpp, AMX)' if chosen else 'PyTorch' + chr(39) + 's'}: forward and backward of "
+    return (f"attention: {f'ours (attention.cpp, {bf16_units()})' if chosen else 'PyTorch' + chr(39) + 's'}: forward and backward of "
             f"one layer ({batch_size} x {n_head} heads x {seq_len} x {head_size}) took ours {times}")
 
 def measure(batch_size, n_head, seq_len, head_size):
@@ -66,16 +66,25 @@ def measure(batch_size, n_head, seq_len, head_size):
 MEASURE_TURNS = 3
 
 _kernel = None  # whether attention.cpp is loaded (None: not tried yet)
-why_not = "attention.cpp's kernel needs AMX"  # what kernel() found, when it could not load the kernel
+why_not = "attention.cpp's kernel needs AMX or AVX512-BF16"  # what kernel() found, when it could not load the kernel
+
+def bf16_units():
+    """What computes bf16 products here for oneDNN's brgemm: 'AMX' (Xeons since Sapphire Rapids), 'AVX512-BF16' (AMD
+    Zen 4 and 5, Cooper Lake: vdpbf16ps, at the rate of bf16 matmuls there), or None."""
+    flags = set()
+    for line in cpu.cpuinfo_lines():
+        if line.split(":")[0].strip() == "flags":
+            flags.update(line.split(":", 1)[1].split())
+    return "AMX" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else None
 
 def kernel():
     """True once attention.cpp is compiled for this CPU and loaded (torch.utils.cpp_extension, cached on disk like
-    torch.compile's kernels); False where it cannot run (no AMX: its VNNI brgemm needs it) or be built (no C++
-    compiler), and then why_not says why."""
+    torch.compile's kernels); False where it cannot run (neither AMX nor AVX512-BF16: oneDNN's bf16 brgemm needs one)
+    or be built (no C++ compiler), and then why_not says why."""
     global _kernel, why_not
     if _kernel is None:
         _kernel = False
-        if cpu.has_amx() and torch.backends.mkldnn.is_available():
+        if bf16_units() and torch.backends.mkldnn.is_available():
             from torch.utils import cpp_extension
             build = cache_dir("extensions", torch.__version__)  # (a build is for one torch: two venvs, two builds)
             os.makedirs(build, exist_ok=True)
@@ -89,7 +98,7 @@ def kernel():
                 why_not = f"attention.cpp's kernel could not be built: {one_line(e)}"
                 return False
             _kernel = torch.ops.gpt2cpu.attention_available()
-            why_not = "oneDNN has no AMX brgemm here"
+            why_not = "oneDNN's bf16 brgemm does not run here"
             # what torch.compile needs to trace through the ops (their outputs' shapes), and their gradient
             torch.library.register_fake("gpt2cpu::attention_forward", _forward_shapes)
             torch.library.register_fake("gpt2cpu::attention_backward", _backward_shapes)
