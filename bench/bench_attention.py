@@ -10,7 +10,9 @@ as the model makes them (views of one (B, T, 3 C) tensor). Each turn times both,
 forward and backward separately (wall clock, torch's threads), and the per-turn ratio of the two. It prints
 GFLOP/s counted as causal attention's useful work: forward 4 B H T^2 D / 2 (two products over half the scores),
 backward 2.5x that (five products; SDPA and ours both recompute the scores). Only the ratios compare: the machine
-changes speed between turns, both ways of one turn see nearly the same machine.
+changes speed between turns, both ways of one turn see nearly the same machine. After every turn it also probes
+this CPU's bf16 matmul rate at the model's MLP shape (plumbing.cpu, as bench_train.py does, width n_head x head) and
+gives each way's rate as a share of the fastest probe: what "at the matmul rate" would be.
 """
 import argparse
 import statistics
@@ -60,6 +62,7 @@ def main():
     flops["backward"] = 2.5 * flops["forward"]
     ways = {"sdpa": sdpa, "ours": attention.causal_attention}
     seconds = {(w, p): [] for w in ways for p in flops}
+    probes = []
     print(f"shape: B {B} x {H} heads x T {T} x head {D}, bf16; {flops['forward'] / 1e9:.2f} GFLOP forward, "
           f"{flops['backward'] / 1e9:.2f} backward (causal)")
     for turn in range(-2, args.turns):
@@ -67,20 +70,23 @@ def main():
         times = {w: timed(ways[w], q, k, v, grad) for w in order}
         if turn < 0:
             continue
+        probes.append(cpu.measure_matmul_rate(torch.bfloat16, H * D))
         for w in ways:
             for p, s in zip(flops, times[w]):
                 seconds[w, p].append(s)
-        print(f"turn {turn}: " + ", ".join(f"{w} {1e3 * times[w][0]:.1f} + {1e3 * times[w][1]:.1f} ms" for w in ways))
+        print(f"turn {turn}: " + ", ".join(f"{w} {1e3 * times[w][0]:.1f} + {1e3 * times[w][1]:.1f} ms" for w in ways)
+              + f"; bf16 matmul probe {probes[-1]:.0f} GFLOP/s")
     for p in flops:
         rates = {w: flops[p] / min(seconds[w, p]) / 1e9 for w in ways}
         medians = {w: flops[p] / statistics.median(seconds[w, p]) / 1e9 for w in ways}
         ratios = sorted(a / b for a, b in zip(seconds["sdpa", p], seconds["ours", p]))
-        print(f"{p:8s}: sdpa {rates['sdpa']:.0f} GFLOP/s (median {medians['sdpa']:.0f}), ours {rates['ours']:.0f} "
-              f"(median {medians['ours']:.0f}); ours is {statistics.median(ratios):.2f}x sdpa "
-              f"(median of {len(ratios)} per-turn ratios; {ratios[0]:.2f}-{ratios[-1]:.2f})")
+        print(f"{p:8s}: sdpa {rates['sdpa']:.0f} GFLOP/s (median {medians['sdpa']:.0f}; {rates['sdpa'] / max(probes):.0%}), "
+              f"ours {rates['ours']:.0f} (median {medians['ours']:.0f}; {rates['ours'] / max(probes):.0%}); ours is "
+              f"{statistics.median(ratios):.2f}x sdpa (median of {len(ratios)} per-turn ratios; {ratios[0]:.2f}-{ratios[-1]:.2f})")
     both = [sum(seconds["sdpa", p][i] for p in flops) / sum(seconds["ours", p][i] for p in flops)
             for i in range(args.turns)]
-    print(f"forward + backward: ours is {statistics.median(both):.2f}x sdpa (median of per-turn ratios)")
+    print(f"forward + backward: ours is {statistics.median(both):.2f}x sdpa (median of per-turn ratios); the best "
+          f"(%: share of it) are against the fastest bf16 matmul probe, {max(probes):.0f} GFLOP/s")
 
 
 if __name__ == "__main__":
