@@ -1,6 +1,6 @@
 """
 Causal self-attention, forward and backward, as fast as this CPU does it: PyTorch's own (F.scaled_dot_product_attention)
-or, on a CPU with AMX, our kernel in attention.cpp, whichever is measured faster at the model's shape.
+or, on a CPU with AMX or AVX512-BF16, our kernel in attention.cpp, whichever is measured faster at the model's shape.
 """
 import math
 import os
@@ -18,7 +18,10 @@ from plumbing import cache_dir, cpu, one_line
 # time against all the keys they see, and does every product as AMX tile products (oneDNN's brgemm, which PyTorch
 # ships): the block's scores are at most 64 x T fp32 (256 KB at T 1024) and stay in the core's L2 cache, so the
 # softmax is exact over the row, in fp32, as SDPA's. The numbers differ from SDPA's by rounding only (tests/test_attention.py
-# checks both against an fp64 reference).
+# checks both against an fp64 reference). Without AMX, on AVX512-BF16 (AMD EPYC Zen 4 and 5, Cooper Lake Xeons), the
+# same brgemm calls run oneDNN's AVX-512 kernels (vdpbf16ps, the bf16 matmuls' own instruction there): on a 2-core
+# Zen 4, one layer's forward ran at ~260 GFLOP/s and backward ~270-290, 2.2-2.9x SDPA's, two thirds of the weight
+# matmuls' rate (bench/bench_attention.py, docs/performance.md).
 
 chosen = False  # causal() runs attention.cpp's kernel (set by choose(), once per run)
 
@@ -30,8 +33,8 @@ def causal(q, k, v):
 
 def choose(dtype, batch_size, n_head, seq_len, head_size, ranks=None):
     """Decide, for this run, which causal attention trains faster at its shape; returns the line that says why.
-    Only bf16 has a choice (the kernel is bf16), only where it loads (AMX), and only for heads of a multiple of 32
-    values (its 16 x 16 transposes of value pairs). Measured as the dtype is: both, forward and backward of one
+    Only bf16 has a choice (the kernel is bf16), only where it loads (AMX or AVX512-BF16), and only for heads of a
+    multiple of 32 values (its 16 x 16 transposes of value pairs). Measured as the dtype is: both, forward and backward of one
     layer's shape, in turns, each keeping its best, in CPU time (the process's: another job that takes a core away
     for a while slows the wall clock, not the work); every rank must agree, so all take PyTorch's unless all chose ours."""
     global chosen
@@ -40,7 +43,7 @@ def choose(dtype, batch_size, n_head, seq_len, head_size, ranks=None):
         return None
     best = measure(batch_size, n_head, seq_len, head_size) if kernel() else None
     ours_faster = float(best is not None and best["ours"] < best["sdpa"])
-    if ranks is not None and ranks.world_size > 1:  # (a collective: every rank with bf16 gets here, AMX or not)
+    if ranks is not None and ranks.world_size > 1:  # (a collective: every rank with bf16 gets here, kernel or not)
         ours_faster = ranks.all_reduce_sum(torch.tensor(ours_faster, device=ranks.device)).item() == ranks.world_size
     chosen = bool(ours_faster)
     if best is None:
