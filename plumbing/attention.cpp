@@ -140,6 +140,20 @@ static float dot_bf16(const BFloat16* a, const BFloat16* b, int64_t n) {
   return _mm512_reduce_add_ps(sum);
 }
 
+// 2^t, 16 floats: 2^n by AVX-512's scalef (which also makes 0 of a masked score's huge negative t) times 2^f,
+// f = t - n in [-1/2, 1/2], by its Taylor polynomial of degree 6 (relative error under 3e-7, as ATen's exp_u20):
+// 9 instructions where exp_u20 takes 17, for the softmax's exponentials, its largest elementwise cost.
+static inline Vec exp2_of(const Vec& t) {
+  const __m512 n = _mm512_roundscale_ps(__m512(t), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(__m512(t), n);
+  constexpr float taylor[] = {0.00015403530393381606f, 0.0013333558146428441f, 0.009618129107628477f,
+                              0.055504108664821576f, 0.2402265069591007f, 0.6931471805599453f, 1.0f};  // ln(2)^k / k!
+  __m512 p = _mm512_set1_ps(taylor[0]);
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(taylor[i]));
+  return _mm512_scalef_ps(p, n);
+}
+constexpr float LOG2E = 1.4426950408889634f;  // exp(x) = 2^(x log2(e))
+
 static float max_of(const float* x, int64_t n) {
   Vec m(MASKED);
   for (int64_t c = 0; c < n; c += Vec::size()) m = at::vec::maximum(m, Vec::loadu(x + c));
@@ -181,7 +195,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
           const float max = max_of(row, keys) * scale;
           Vec sum(0.0f);
           for (int64_t c = 0; c < keys; c += Vec::size()) {
-            const Vec e = (Vec::loadu(row + c) * Vec(scale) - Vec(max)).exp_u20();
+            const Vec e = exp2_of(Vec::loadu(row + c) * Vec(scale * LOG2E) - Vec(max * LOG2E));
             sum += e;
             store_bf16(e, p.data() + r * L + c);
           }
@@ -237,7 +251,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& d_out,
             Vec pc[2] = {Vec(0.0f), Vec(0.0f)}, dsc[2] = {Vec(0.0f), Vec(0.0f)};  // (rows past n: zero)
             for (int j = 0; j < 2; ++j)
               if (r + j < rows) {
-                pc[j] = (Vec::loadu(prow[j] + c) * Vec(scale) - Vec(LSE[i0 + r + j])).exp_u20();
+                pc[j] = exp2_of(Vec::loadu(prow[j] + c) * Vec(scale * LOG2E) - Vec(LSE[i0 + r + j] * LOG2E));
                 dsc[j] = (Vec::loadu(dprow[j] + c) - Vec(delta[i0 + r + j])) * pc[j] * Vec(scale);
               }
             store_bf16(dsc[0], ds.data() + r * L + c);
