@@ -4,11 +4,17 @@ reference), forward and backward, at GPT-2's head size, through torch.compile to
 two by measuring both.
 
 Without either the kernel cannot run: those tests skip, saying so, and the choice is PyTorch's (tested here everywhere)."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from plumbing import attention
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 KERNEL = bool(attention.kernel())
 needs_kernel = pytest.mark.skipif(not KERNEL, reason="attention.cpp needs a CPU with AMX or AVX512-BF16 and a C++ "
@@ -39,6 +45,19 @@ def test_the_kernel_runs_on_every_thread():
         assert torch.ops.gpt2cpu.attention_threads_used() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_the_kernel_declines_where_onednn_has_no_bf16_brgemm():
+    """Held to AVX-512 without BF16 (ONEDNN_MAX_CPU_ISA=AVX512_CORE: a Skylake Xeon's), oneDNN cannot make a bf16
+    brgemm kernel: attention_available() tries one and says no (it raised oneDNN's error, once), and the run keeps
+    PyTorch's attention."""
+    code = "from plumbing import attention; print(attention.kernel(), attention.choose('bf16', 1, 2, 64, 64))"
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == ("False attention: PyTorch's (scaled_dot_product_attention; oneDNN's bf16 brgemm "
+                                  "does not run here)")
 
 
 @needs_kernel
