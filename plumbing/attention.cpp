@@ -1,11 +1,12 @@
-// Causal attention for CPUs with AMX, forward and backward, bf16 in and out, softmax in fp32 (see attention.py).
+// Causal attention for CPUs with AMX or AVX512-BF16, forward and backward, bf16 in and out, softmax in fp32 (see
+// attention.py).
 //
 // Per (batch, head), a block of Q_ROWS queries at a time against all the keys it sees (causal: none after it).
 // The block's scores S = Q K^T / sqrt(D) are at most Q_ROWS x T fp32, 256 KB at T 1024: they stay in the core's
 // L2 cache, so the softmax is exact over each row (no online rescaling, as flash attention needs for longer rows).
-// Every product is AMX tile products through oneDNN's batch-reduce GEMM, which PyTorch ships
-// (at::native::cpublas::brgemm): A row-major bf16, B in "VNNI" pairs (two consecutive values along the summed
-// dimension side by side: the layout AMX reads), C fp32. The operands are put into that layout here, one
+// Every product goes through oneDNN's batch-reduce GEMM, which PyTorch ships (at::native::cpublas::brgemm): AMX tile
+// products, or without AMX AVX-512's vdpbf16ps; A row-major bf16, B in "VNNI" pairs (two consecutive values along
+// the summed dimension side by side: the layout both read), C fp32. The operands are put into that layout here, one
 // (batch, head) at a time, while they are in cache.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
