@@ -61,15 +61,17 @@ def test_the_kernel_declines_where_onednn_has_no_bf16_brgemm():
 
 
 @needs_kernel
-@pytest.mark.parametrize("B,H,T", [(2, 3, 200), (1, 2, 1024), (2, 3, 77), (1, 2, 1023)])
-def test_the_kernel_is_as_close_to_fp64_as_sdpa(B, H, T):
+@pytest.mark.parametrize("B,H,T,D", [(2, 3, 200, 64), (1, 2, 1024, 64), (2, 3, 77, 64), (1, 2, 1023, 64),
+                                     (2, 2, 99, 32), (1, 1, 5, 96), (1, 2, 130, 128)])
+def test_the_kernel_is_as_close_to_fp64_as_sdpa(B, H, T, D):
     """Output and the three gradients, against fp64 attention: within 1.5x of SDPA's own bf16 error (max and relative
     norm). T 200 leaves a partial last block of 64 queries; T 1024 is GPT-2's context; odd T (77, 1023) leave an odd
     last key and a last block of an odd number of rows, where the kernel pairs values and rows (VNNI) with zeros.
     Each of the four checks was seen failing on a copy of attention.cpp broken for it alone (out, dQ, dK, dV each
-    off by 1%), and the odd T on one that dropped an odd T's last key (docs/performance.md)."""
-    q, k, v = qkv_views(B, H, T, 64)
-    grad = torch.randn(B, H, T, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    off by 1%), and the odd T on one that dropped an odd T's last key (docs/performance.md). Other heads of a multiple
+    of 32 values, the kernel's condition, too (96 with T 5: the zero rows past T are read D values at a time)."""
+    q, k, v = qkv_views(B, H, T, D)
+    grad = torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
     ours = forward_backward(attention.causal_attention, q, k, v, grad)
     theirs = forward_backward(sdpa, q, k, v, grad)
