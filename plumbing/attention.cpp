@@ -162,7 +162,6 @@ static float max_of(const float* x, int64_t n) {
   return _mm512_reduce_max_ps(m);
 }
 
-
 struct Heads {  // one (batch, head)'s rows in a (B, H, T, D) tensor whose D values are contiguous
   const BFloat16* rows;
   int64_t ld;
