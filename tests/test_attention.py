@@ -138,3 +138,17 @@ def test_the_choice_is_measured_and_said(monkeypatch):
     line = attention.choose("bf16", 2, 2, 128, 64)
     assert line.startswith("attention: PyTorch's: ") and not attention.chosen
     attention.chosen = False
+
+
+@needs_kernel
+def test_bench_attention_times_both_ways():
+    """bench/bench_attention.py, tiny: both ways in turns, then forward and backward GFLOP/s of each and their ratio."""
+    run = subprocess.run([sys.executable, "bench/bench_attention.py", "--batch_size", "1", "--n_head", "2", "--seq_len",
+                          "128", "--turns", "2", "--threads", "1"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("cpu: ") and f"bf16 units for brgemm: {attention.bf16_units()}" in lines[0]
+    assert sum(line.startswith("turn ") for line in lines) == 2
+    for name in ("forward ", "backward"):
+        assert any(line.startswith(f"{name}: sdpa ") and "x sdpa (median of 2 per-turn ratios" in line for line in lines)
+    assert lines[-1].startswith("forward + backward: ours is ")
