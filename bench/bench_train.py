@@ -30,7 +30,7 @@ A configuration (--a, --b) is a comma-separated list of:
                              dtype of --dtype; plain,bf16 is its CPU path as written (autocast bf16 always)
     loss_chunk=N             positions per chunk of the chunked loss (plumbing.fused_loss.LOSS_CHUNK)
     attention=auto|ours|sdpa causal attention by the kernel train_gpt2.py measures fastest here (auto), by
-                             plumbing/attention.cpp's (ours: AMX only), or by F.scaled_dot_product_attention
+                             plumbing/attention.cpp's (ours: AMX or AVX512-BF16), or by F.scaled_dot_product_attention
     budget=F                 torch.compile's activation memory budget, 0 < F <= 1 (1: keep all it can
                              for backward; default speedups.ACTIVATION_MEMORY_BUDGET)
     batch_size=N             sequences per micro-step, instead of --batch_size (A/B compares tokens/s)

@@ -1,6 +1,6 @@
 """
 Causal self-attention, forward and backward, as fast as this CPU does it: PyTorch's own (F.scaled_dot_product_attention)
-or, on a CPU with AMX, our kernel in attention.cpp, whichever is measured faster at the model's shape.
+or, on a CPU with AMX or AVX512-BF16, our kernel in attention.cpp, whichever is measured faster at the model's shape.
 """
 import math
 import os
@@ -18,7 +18,10 @@ from plumbing import cache_dir, cpu, one_line
 # time against all the keys they see, and does every product as AMX tile products (oneDNN's brgemm, which PyTorch
 # ships): the block's scores are at most 64 x T fp32 (256 KB at T 1024) and stay in the core's L2 cache, so the
 # softmax is exact over the row, in fp32, as SDPA's. The numbers differ from SDPA's by rounding only (tests/test_attention.py
-# checks both against an fp64 reference).
+# checks both against an fp64 reference). Without AMX, on AVX512-BF16 (AMD EPYC Zen 4 and 5, Cooper Lake Xeons), the
+# same brgemm calls run oneDNN's AVX-512 kernels (vdpbf16ps, the bf16 matmuls' own instruction there): on a 2-core
+# Zen 4, one layer's forward ran at ~260 GFLOP/s and backward ~270-290, 2.2-2.9x SDPA's, two thirds of the weight
+# matmuls' rate (bench/bench_attention.py, docs/performance.md).
 
 chosen = False  # causal() runs attention.cpp's kernel (set by choose(), once per run)
 
@@ -30,8 +33,8 @@ def causal(q, k, v):
 
 def choose(dtype, batch_size, n_head, seq_len, head_size, ranks=None):
     """Decide, for this run, which causal attention trains faster at its shape; returns the line that says why.
-    Only bf16 has a choice (the kernel is bf16), only where it loads (AMX), and only for heads of a multiple of 32
-    values (its 16 x 16 transposes of value pairs). Measured as the dtype is: both, forward and backward of one
+    Only bf16 has a choice (the kernel is bf16), only where it loads (AMX or AVX512-BF16), and only for heads of a
+    multiple of 32 values (its 16 x 16 transposes of value pairs). Measured as the dtype is: both, forward and backward of one
     layer's shape, in turns, each keeping its best, in CPU time (the process's: another job that takes a core away
     for a while slows the wall clock, not the work); every rank must agree, so all take PyTorch's unless all chose ours."""
     global chosen
@@ -40,13 +43,13 @@ def choose(dtype, batch_size, n_head, seq_len, head_size, ranks=None):
         return None
     best = measure(batch_size, n_head, seq_len, head_size) if kernel() else None
     ours_faster = float(best is not None and best["ours"] < best["sdpa"])
-    if ranks is not None and ranks.world_size > 1:  # (a collective: every rank with bf16 gets here, AMX or not)
+    if ranks is not None and ranks.world_size > 1:  # (a collective: every rank with bf16 gets here, kernel or not)
         ours_faster = ranks.all_reduce_sum(torch.tensor(ours_faster, device=ranks.device)).item() == ranks.world_size
     chosen = bool(ours_faster)
     if best is None:
         return f"attention: PyTorch's (scaled_dot_product_attention; {why_not})"
     times = f"{1000 * best['ours']:.0f} ms vs PyTorch's {1000 * best['sdpa']:.0f} ms of CPU time"
-    return (f"attention: {'ours (attention.cpp, AMX)' if chosen else 'PyTorch' + chr(39) + 's'}: forward and backward of "
+    return (f"attention: {f'ours (attention.cpp, {bf16_units()})' if chosen else 'PyTorch' + chr(39) + 's'}: forward and backward of "
             f"one layer ({batch_size} x {n_head} heads x {seq_len} x {head_size}) took ours {times}")
 
 def measure(batch_size, n_head, seq_len, head_size):
@@ -66,16 +69,25 @@ def measure(batch_size, n_head, seq_len, head_size):
 MEASURE_TURNS = 3
 
 _kernel = None  # whether attention.cpp is loaded (None: not tried yet)
-why_not = "attention.cpp's kernel needs AMX"  # what kernel() found, when it could not load the kernel
+why_not = "attention.cpp's kernel needs AMX or AVX512-BF16"  # what kernel() found, when it could not load the kernel
+
+def bf16_units():
+    """What computes bf16 products here for oneDNN's brgemm: 'AMX' (Xeons since Sapphire Rapids), 'AVX512-BF16' (AMD
+    Zen 4 and 5, Cooper Lake: vdpbf16ps, at the rate of bf16 matmuls there), or None."""
+    flags = set()
+    for line in cpu.cpuinfo_lines():
+        if line.split(":")[0].strip() == "flags":
+            flags.update(line.split(":", 1)[1].split())
+    return "AMX" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else None
 
 def kernel():
     """True once attention.cpp is compiled for this CPU and loaded (torch.utils.cpp_extension, cached on disk like
-    torch.compile's kernels); False where it cannot run (no AMX: its VNNI brgemm needs it) or be built (no C++
-    compiler), and then why_not says why."""
+    torch.compile's kernels); False where it cannot run (neither AMX nor AVX512-BF16: oneDNN's bf16 brgemm needs one)
+    or be built (no C++ compiler), and then why_not says why."""
     global _kernel, why_not
     if _kernel is None:
         _kernel = False
-        if cpu.has_amx() and torch.backends.mkldnn.is_available():
+        if bf16_units() and torch.backends.mkldnn.is_available():
             from torch.utils import cpp_extension
             build = cache_dir("extensions", torch.__version__)  # (a build is for one torch: two venvs, two builds)
             os.makedirs(build, exist_ok=True)
@@ -89,7 +101,7 @@ def kernel():
                 why_not = f"attention.cpp's kernel could not be built: {one_line(e)}"
                 return False
             _kernel = torch.ops.gpt2cpu.attention_available()
-            why_not = "oneDNN has no AMX brgemm here"
+            why_not = "oneDNN's bf16 brgemm does not run here"
             # what torch.compile needs to trace through the ops (their outputs' shapes), and their gradient
             torch.library.register_fake("gpt2cpu::attention_forward", _forward_shapes)
             torch.library.register_fake("gpt2cpu::attention_backward", _backward_shapes)
