@@ -530,7 +530,10 @@ def build_model(run, ckpt):
     if ranks.master and args.checkpoint_interval > 0:  # what trains, and AdamW's two moments, in fp32
         checkpoints.check_free_space(args.log_dir, 12 * sum(p.numel() for p in model.parameters() if p.requires_grad),
                                      "a checkpoint")
-    ranks.print0(f"model: {n_params / 1e6:.2f}M parameters, {config}")
+    whole, part = n_params, ""
+    if args.pp * args.tp > 1:  # (a stage or a share: the whole model's count, and the part's)
+        whole, part = layouts.parameters(config)[0], f" (rank 0 holds {n_params / 1e6:.2f}M: its {'stage' if args.pp > 1 else 'share'})"
+    ranks.print0(f"model: {whole / 1e6:.2f}M parameters{part}, {config}")
     return model.to(ranks.device)  # the plain GPT: evaluation and sampling run it eagerly
 
 def prepare_training(run, ckpt, ckpt_file):
