@@ -28,13 +28,15 @@ from plumbing import cpu, speedups, world
 
 
 def print_samples(model, ranks, autocast):
-    """train_gpt2.py's look at what the model has learned: four continuations of one prompt."""
+    """train_gpt2.py's look at what the model has learned: four continuations of one prompt, printed and returned."""
     prompt = torch.tensor([tokenizer.encode("Hello, I'm a language model,")] * 4, device=ranks.device)
     gen = torch.Generator(device=ranks.device).manual_seed(42 + ranks.rank)
     with autocast:
         new = torch.stack(list(model.generate(prompt, 32, top_k=50, generator=gen)), dim=1)
-    for i, row in enumerate(torch.cat((prompt, new), dim=1).tolist()):
-        ranks.print0(f"sample {i}: {tokenizer.decode(row)}")
+    lines = [f"sample {i}: {tokenizer.decode(row)}" for i, row in enumerate(torch.cat((prompt, new), dim=1).tolist())]
+    for line in lines:
+        ranks.print0(line)
+    return lines
 
 
 def prompt_tokens(prompt, block_size):

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from plumbing import attention, checkpoints, cpu, inputs, layouts, pipeline, sharding, speedups, tensor_parallel, world
+from plumbing import attention, checkpoints, cpu, inputs, layouts, pipeline, report, sharding, speedups, tensor_parallel, world
 from plumbing.checkpoints import append_log, checkpoint_path, list_checkpoints, load_checkpoint
 from plumbing.fused_loss import IGNORE, lm_head_loss
 import dataloader
@@ -615,7 +615,7 @@ def evaluate(run, step, due):
         append_log(args.log_dir, ranks, f"{step} hella {acc:.4f}")
     if due(args.sample_interval) and (step > 0 or step == args.max_steps) and (ranks.master or run.sharded) and not run.pipe:
         import sample  # (sharded, every rank generates alongside rank 0, to join the all-gathers of every forward)
-        sample.print_samples(model, ranks, run.autocast)
+        run.samples = sample.print_samples(model, ranks, run.autocast)  # (report.md keeps the last)
     return val_loss
 
 def save_checkpoint(run, step, val_loss, evaluated=True):
@@ -758,6 +758,8 @@ def main(argv=None):
         periodic = step > start_step or not evaluated
         due = lambda interval: periodic and interval > 0 and (step % interval == 0 or last_step)  # noqa: E731
         val_loss = evaluate(run, step, due)
+        if ranks.master and due(args.eval_interval):  # log_dir/report.png and report.md (plumbing/report.py)
+            report.update(run)
         if due(args.checkpoint_interval) and step > 0 and not skipped:
             save_checkpoint(run, step, val_loss)
         if last_step:
@@ -780,6 +782,8 @@ def main(argv=None):
             exit_code = save_after_signal(run, signum, step + 1, save)
             break
 
+    if ranks.master:  # the picture of the whole run
+        report.update(run, final=True)
     # DDP's promise: every rank ends with the same weights (a pipeline's: each stage's replicas do)
     run.pipe.check_same_weights(ranks) if run.pipe else world.check_same_weights(ranks, run.raw_model)
     world.report_peak_memory(ranks)
