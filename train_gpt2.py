@@ -357,7 +357,7 @@ def print_next_steps(args, ranks):
     ckpt = (list_checkpoints(args.log_dir) or ["(none: --checkpoint_interval 0)"])[-1]
     ranks.print0(f"\ndemo finished: checkpoint {ckpt}, log {os.path.join(args.log_dir, 'log.txt')}. Next:\n"
                  f"  python sample.py --ckpt_path {ckpt} --prompt 'def '   # what it learned to write\n"
-                 f"  jupyter notebook play.ipynb    # the loss curves (set log_dir = \"{args.log_dir}\" in its first cell)\n"
+                 f"  {os.path.join(args.log_dir, 'report.png')}, report.md    # the loss curves, the run in short\n"
                  f"  python fineweb.py, then python train_gpt2.py    # the real thing: GPT-2 (124M) on FineWeb-Edu")
 
 # -----------------------------------------------------------------------------
