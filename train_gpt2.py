@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from plumbing import attention, checkpoints, cpu, inputs, layouts, pipeline, report, sharding, speedups, tensor_parallel, world
+from plumbing import attention, checkpoints, cpu, inputs, layouts, pipeline, progress, report, sharding, speedups, tensor_parallel, world
 from plumbing.checkpoints import append_log, checkpoint_path, list_checkpoints, load_checkpoint
 from plumbing.fused_loss import IGNORE, lm_head_loss
 import dataloader
@@ -591,7 +591,8 @@ def evaluate(run, step, due):
     if due(args.eval_interval):  # the mean loss over every val target (a task may have none: then no val line)
         stats = torch.zeros(2, dtype=torch.float64, device=ranks.device)  # summed loss, target count
         with torch.no_grad():
-            for batch in dataloader.val_batches(args, run.task, run.data_ranks, lockstep=run.sharded or args.pp > 1):
+            batches = dataloader.val_batches(args, run.task, run.data_ranks, lockstep=run.sharded or args.pp > 1)
+            for batch in progress.each(batches, "validation", "batches", ranks.master):  # (a bar, or a line a tenth)
                 x, y, packed = batch if batch is not None else (torch.zeros(1, args.seq_len, dtype=torch.long),) * 2 + (None,)
                 with run.autocast:
                     _, loss = (run.pipe or model)(x.to(ranks.device), y.to(ranks.device), packed=packed and packed.to(ranks.device))
@@ -751,15 +752,14 @@ def main(argv=None):
                  f"{run.replicas} rank(s) x {run.grad_accum_steps} accumulation steps" + (f" (x {args.pp} stages)" if args.pp > 1 else "")
                  + (f" (x {args.tp} tensor-parallel ranks)" if args.tp > 1 else ""))
 
-    skipped, exit_code, first_dt = 0, 0, 0.0
+    skipped, exit_code, first_dt, clock = 0, 0, 0.0, progress.StepClock(args, start_step, ranks.print0)  # (ETA)
     for step in range(start_step, args.max_steps + 1):
         last_step = step == args.max_steps
         # a resumed run already did the evals and the checkpoint of its first step (unless a signal stopped it)
         periodic = step > start_step or not evaluated
         due = lambda interval: periodic and interval > 0 and (step % interval == 0 or last_step)  # noqa: E731
         val_loss = evaluate(run, step, due)
-        if ranks.master and due(args.eval_interval):  # log_dir/report.png and report.md (plumbing/report.py)
-            report.update(run)
+        report.update(run, evaluated=due(args.eval_interval))  # log_dir/report.png and .md (plumbing/report.py)
         if due(args.checkpoint_interval) and step > 0 and not skipped:
             save_checkpoint(run, step, val_loss)
         if last_step:
@@ -770,8 +770,8 @@ def main(argv=None):
         t0 = time.time()
         loss, norm, lr, updated = train_step(run, step)
         dt = time.time() - t0
-        ranks.print0(f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm:.4f} | "
-                     f"dt {dt * 1000:.0f}ms | tok/sec {args.total_batch_size / dt:.0f}{run.share_of_matmul_rate(dt)}")
+        ranks.print0(f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm:.4f} | dt {dt * 1000:.0f}ms | "
+                     f"tok/sec {args.total_batch_size / dt:.0f}{run.share_of_matmul_rate(dt)}{clock.tick(step, dt)}")
         append_log(args.log_dir, ranks, f"{step} train {loss:.6f}", f"{step} tok/s {args.total_batch_size / dt:.0f}")
         first_dt = dt if step == start_step else first_dt
         if run.compiled and step == start_step + 1:  # the first step's extra time went to compiling (0 if cached)
@@ -782,8 +782,7 @@ def main(argv=None):
             exit_code = save_after_signal(run, signum, step + 1, save)
             break
 
-    if ranks.master:  # the picture of the whole run
-        report.update(run, final=True)
+    report.update(run, final=True)  # the picture of the whole run
     # DDP's promise: every rank ends with the same weights (a pipeline's: each stage's replicas do)
     run.pipe.check_same_weights(ranks) if run.pipe else world.check_same_weights(ranks, run.raw_model)
     world.report_peak_memory(ranks)

@@ -12,6 +12,7 @@ but not to read first. One topic per module:
   sharding.py     FSDP2: a GPT split across the ranks, built without any rank holding all of it
   pipeline.py     pipeline parallel (--pp): a GPT cut into stages on a (dp, pp) mesh, its schedule, its checkpoints
   inputs.py       what a run reads besides its arguments: the token shards' id check, OpenAI's weights
+  progress.py     how long: the step line's elapsed time and ETA, progress lines of long passes
   report.py       every run's picture: log_dir/report.png and report.md from its log.txt (and plot.py's)
 
 This file holds what they all share: one-line errors and the cache folder with its small JSON files.

@@ -22,7 +22,8 @@ import shlex
 import sys
 import time
 
-STARTED = time.time()  # about when the process started (the trainer imports this first thing)
+from plumbing.progress import STARTED, duration
+
 EVERY_S = 60  # at an evaluation, draw again only if the last drawing is this old (drawing takes ~1 s)
 _last_drawn = [0.0]
 
@@ -127,10 +128,10 @@ def draw(runs, path):
 # -----------------------------------------------------------------------------
 # The trainer's report: report.png and report.md in its --log_dir
 
-def update(run, final=False):
-    """Draw log_dir/report.png and write report.md, at an evaluation (at most every EVERY_S seconds) or at the
-    end (final). Rank 0 calls it. A report is not worth a run: a failure to write it is one warning line."""
-    if not final and time.time() - _last_drawn[0] < EVERY_S:
+def update(run, evaluated=False, final=False):
+    """Draw log_dir/report.png and write report.md: after an evaluation (at most every EVERY_S seconds) and at the
+    end (final); by rank 0 alone. A report is not worth a run: a failure to write it is one warning line."""
+    if not run.ranks.master or not (final or evaluated and time.time() - _last_drawn[0] >= EVERY_S):
         return
     log_dir = run.args.log_dir
     try:
@@ -173,14 +174,3 @@ def summary(run, curves):
     if getattr(run, "samples", None):
         lines += ["", "## A sample", "", "```", *run.samples, "```"]
     return "\n".join(lines) + "\n"
-
-def duration(seconds):
-    """A time span as a person says it: 42s, 3m05s, 2h07m, 3d04h."""
-    s = int(max(seconds, 0))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
