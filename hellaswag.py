@@ -32,7 +32,7 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
-from plumbing import cpu, speedups, world
+from plumbing import ShowDefaults, cpu, speedups, world
 from plumbing.progress import Bar
 from plumbing.checkpoints import atomic_write
 import tokenizer
@@ -277,7 +277,8 @@ def accuracy_during_training(model, examples, ranks, dtype, batch_size):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Evaluate a GPT-2 on HellaSwag (build-nanogpt's completion style).")
+    p = argparse.ArgumentParser(formatter_class=ShowDefaults,  # --help shows every default
+                                description="Evaluate a GPT-2 on HellaSwag (build-nanogpt's completion style).")
     p.add_argument("-m", "--model", default="gpt2", help="gpt2 | gpt2-medium | gpt2-large | gpt2-xl | "
                    "a Hugging Face-layout folder | one of our checkpoints (log/model_XXXXX.pt)")
     p.add_argument("--split", default="val", choices=["train", "val"], help="(test has no labels)")

@@ -10,12 +10,12 @@ is the same picture of that run alone). Headless: no display needed.
 """
 import argparse
 
-from plumbing import report
+from plumbing import ShowDefaults, report
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Overlay the logs of train_gpt2.py runs in one PNG.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=ShowDefaults)
     p.add_argument("log_dirs", nargs="+", metavar="log_dir", help="a run's --log_dir (its log.txt and args.json)")
     p.add_argument("-o", "--output", default="plot.png", help="the PNG to write")
     args = p.parse_args(argv)

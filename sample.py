@@ -24,7 +24,7 @@ import torch
 
 import tasks
 import tokenizer
-from plumbing import cpu, speedups, world
+from plumbing import ShowDefaults, cpu, speedups, world
 
 
 def print_samples(model, ranks, autocast):
@@ -97,8 +97,9 @@ def continue_text(model, args, generator):
 def parse_args(argv):
     if "--chat" in (sys.argv[1:] if argv is None else argv):  # (it was here until answer.py took it)
         raise SystemExit("error: --chat is answer.py's now: python answer.py --ckpt_path CHECKPOINT --chat")
-    p = argparse.ArgumentParser(description="Sample text from a GPT-2 (ours or OpenAI's), with a KV cache; "
-                                            "ask a fine-tuned one (--prompt).")
+    p = argparse.ArgumentParser(formatter_class=ShowDefaults,  # --help shows every default
+                                description="Sample text from a GPT-2 (ours or OpenAI's), with a KV cache; "
+                                "ask a fine-tuned one (--prompt).")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--ckpt_path", help="a checkpoint written by train_gpt2.py, e.g. log/model_19072.pt")
     src.add_argument("--init_from", help="gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a Hugging Face-layout folder")
@@ -106,10 +107,10 @@ def parse_args(argv):
                                     "to a fine-tuned model: the question, rendered with its task's template")
     p.add_argument("--system", help="to a fine-tuned chat model: a system turn before --prompt")
     p.add_argument("--num_samples", type=int, help="default 5; 1 for a fine-tuned model")
-    p.add_argument("--max_new_tokens", type=int, default=100)
+    p.add_argument("--max_new_tokens", type=int, default=100, help="tokens to generate per sample")
     p.add_argument("--temperature", type=float, default=1.0, help="<1 sharper, >1 more random, 0 = greedy")
     p.add_argument("--top_k", type=int, default=50, help="sample among the k most likely tokens (0 = all; 1 = greedy)")
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--seed", type=int, default=42, help="the same seed prints the same samples")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | xpu | mps")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="precision of the forward pass; "
                    "auto = bf16 where this machine computes it natively and faster, else fp32")

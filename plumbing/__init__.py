@@ -15,8 +15,10 @@ but not to read first. One topic per module:
   progress.py     how long: the step line's elapsed time and ETA, progress lines of long passes
   report.py       every run's picture: log_dir/report.png and report.md from its log.txt (and plot.py's)
 
-This file holds what they all share: one-line errors and the cache folder with its small JSON files.
+This file holds what they all share: one-line errors, the cache folder with its small JSON files, and
+the --help format of every script.
 """
+import argparse
 import json
 import os
 import threading
@@ -25,6 +27,13 @@ def one_line(e):
     """An exception as one line: errors we report must fit on one."""
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+class ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Every script's --help format: each flag's help ends with its default, "(default: 16)", unless the help
+    already says it in words ("default: the longest example"), where a bare "None" would tell nothing."""
+
+    def _get_help_string(self, action):
+        return action.help if "default" in (action.help or "") else super()._get_help_string(action)
 
 def cache_dir(*parts):
     """~/.cache/gpt2-cpu/... (or under $XDG_CACHE_HOME): the demo's shards, compiled kernels, token-id
