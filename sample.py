@@ -1,7 +1,7 @@
 """
 Generate text with a GPT-2: one of ours (a train_gpt2.py checkpoint) or OpenAI's.
 
-    python sample.py --ckpt_path log/model_19072.pt --prompt "It is interesting"
+    python sample.py --ckpt_path log/model_19073.pt --prompt "It is interesting"
     python sample.py --init_from gpt2 --prompt "Hello, I'm a language model," --num_samples 5
     python sample.py --init_from gpt2 --top_k 1            # greedy: always the most likely token
     python sample.py --init_from ./my_gpt2_dir             # config.json + model.safetensors
@@ -101,7 +101,7 @@ def parse_args(argv):
                                 description="Sample text from a GPT-2 (ours or OpenAI's), with a KV cache; "
                                 "ask a fine-tuned one (--prompt).")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--ckpt_path", help="a checkpoint written by train_gpt2.py, e.g. log/model_19072.pt")
+    src.add_argument("--ckpt_path", help="a checkpoint written by train_gpt2.py, e.g. log/model_19073.pt")
     src.add_argument("--init_from", help="gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a Hugging Face-layout folder")
     p.add_argument("--prompt", help="text to continue ('' = from scratch; default \"Hello, I'm a language model,\"); "
                                     "to a fine-tuned model: the question, rendered with its task's template")

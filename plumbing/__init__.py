@@ -10,7 +10,12 @@ but not to read first. One topic per module:
                   the optional ways to make a step faster: torch.compile and Intel's IPEX
   checkpoints.py  run folders: checkpoint names, atomic writes, checksums, .pt and .dcp files, the lock
   sharding.py     FSDP2: a GPT split across the ranks, built without any rank holding all of it
+  stage_split.py  where --pp cuts the blocks into stages
   pipeline.py     pipeline parallel (--pp): a GPT cut into stages on a (dp, pp) mesh, its schedule, its checkpoints
+  tensor_parallel.py  tensor parallel (--tp): each block split over ranks
+  layouts.py      --parallel auto: the layout predicted fastest from measured links and memory
+  fused_loss.py   lm_head and the loss, a chunk of positions at a time
+  attention.py    causal attention: our AMX kernel (attention.cpp) where it measures faster than PyTorch's
   inputs.py       what a run reads besides its arguments: the token shards' id check, OpenAI's weights
   progress.py     how long: the step line's elapsed time and ETA, progress lines of long passes
   report.py       every run's picture: log_dir/report.png and report.md from its log.txt (and plot.py's)
