@@ -99,20 +99,27 @@ def draw(runs, path):
     fig = Figure(figsize=(5.5 * len(panels), 4.2))
     FigureCanvasAgg(fig)  # the renderer that turns the figure into pixels
     axes = dict(zip(panels, fig.subplots(1, len(panels), squeeze=False)[0]))
+    # time in the unit that suits the longest run: seconds, minutes or hours
+    longest = max((max(run.hours_at.values(), default=0) for run in runs), default=0)
+    unit, per_hour = ("hours", 1) if longest >= 2 else ("minutes", 60) if longest >= 2 / 60 else ("seconds", 3600)
+    def plot(panel, run, kind, x="step", **style):  # one series, if the run has it
+        xs, ys = run.points(kind, x)
+        if xs:
+            axes[panel].plot([v * per_hour for v in xs] if x == "hours" else xs, ys, **style)
     for i, run in enumerate(runs):
         color = f"C{i}"  # one colour per run, in every panel
         for x in ("tokens", "hours"):
             if x in axes:
-                axes[x].plot(*run.points("train", x), color=color, alpha=0.5, lw=1, label=f"{run.label} train")
-                axes[x].plot(*run.points("val", x), "o-", color=color, ms=3, label=f"{run.label} val")
+                plot(x, run, "train", x, color=color, alpha=0.5, lw=1, label=f"{run.label} train")
+                plot(x, run, "val", x, marker="o", color=color, ms=3, label=f"{run.label} val")
         if "accuracy" in axes:
-            axes["accuracy"].plot(*run.points("hella"), "o-", color=color, ms=3, label=f"{run.label} HellaSwag")
-            axes["accuracy"].plot(*run.points("task"), "s--", color=color, ms=3, label=f"{run.label} task")
+            plot("accuracy", run, "hella", marker="o", color=color, ms=3, label=f"{run.label} HellaSwag")
+            plot("accuracy", run, "task", marker="s", ls="--", color=color, ms=3, label=f"{run.label} task")
         if "speed" in axes:
-            axes["speed"].plot(*run.points("tok/s"), color=color, lw=1, label=run.label)
+            plot("speed", run, "tok/s", color=color, lw=1, label=run.label)
     known = all(run.tokens_per_step for run in runs)
     titles = {"tokens": ("tokens" if known else "step", "loss", "Loss against tokens"),
-              "hours": ("hours of training steps", "loss", "Loss against time"),
+              "hours": (f"{unit} of training steps", "loss", "Loss against time"),
               "accuracy": ("step", "accuracy", "HellaSwag (acc_norm) / task accuracy"),
               "speed": ("step", "tokens per second", "Throughput")}
     for name, ax in axes.items():
@@ -172,5 +179,5 @@ def summary(run, curves):
         speeds = sorted(s["tok/s"].values())
         lines.append(f"- tokens/s: {speeds[len(speeds) // 2]:.0f} (the median step)")
     if getattr(run, "samples", None):
-        lines += ["", "## A sample", "", "```", *run.samples, "```"]
+        lines += ["", "## Samples, from the last evaluation that drew them", "", "```", *run.samples, "```"]
     return "\n".join(lines) + "\n"
