@@ -24,8 +24,8 @@ import time
 
 from plumbing.progress import STARTED, duration
 
-EVERY_S = 60  # at an evaluation, draw again only if the last drawing is this old (drawing takes ~1 s)
-_last_drawn = [0.0]
+EVERY_S = 60  # at an evaluation, draw only if the last drawing (or the start) is this old: drawing takes ~1 s
+_last_drawn = [STARTED]
 
 # -----------------------------------------------------------------------------
 # Reading a run's log

@@ -78,3 +78,26 @@ def test_bad_input_is_one_line_naming_the_path(tmp_path, case):
     assert proc.returncode == 1 and not os.path.exists(tmp_path / "plot.png")
     assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("error: ")
     assert str(folder) in proc.stderr
+
+
+def test_update_draws_on_rank_0_at_most_once_a_minute_and_at_the_end(tmp_path, monkeypatch):
+    import argparse
+    import torch
+    folder = write_run(tmp_path / "run", RUN)
+    model = torch.nn.Linear(2, 2)
+    model.config = argparse.Namespace(n_layer=1, n_embd=2, n_head=1, block_size=8)
+    run = argparse.Namespace(args=argparse.Namespace(log_dir=folder, max_steps=3, total_batch_size=100),
+                             ranks=argparse.Namespace(master=False), raw_model=model, dtype="fp32")
+    png = os.path.join(folder, "report.png")
+    report.update(run, final=True)
+    assert not os.path.exists(png)  # rank 0 alone draws
+    run.ranks.master = True
+    monkeypatch.setattr(report, "_last_drawn", [report.time.time()])
+    report.update(run, evaluated=True)
+    assert not os.path.exists(png)  # drawn less than a minute ago: not at this evaluation
+    report.update(run, final=True)
+    assert os.path.exists(png) and "- final val loss: 7.5000 (step 3)" in open(os.path.join(folder, "report.md")).read()
+    os.remove(png)
+    monkeypatch.setattr(report, "_last_drawn", [report.time.time() - report.EVERY_S])
+    report.update(run, evaluated=True)
+    assert os.path.exists(png)  # a minute on: this evaluation draws
