@@ -23,7 +23,7 @@ from tqdm import tqdm
 import tasks
 import tokenizer
 from dataloader import open_split, read_task
-from plumbing import cpu, one_line, speedups, world
+from plumbing import ShowDefaults, cpu, one_line, speedups, world
 
 # -----------------------------------------------------------------------------
 # 1. Greedy answers, many at once
@@ -266,8 +266,9 @@ def chat(model, task, args, lines):
 # 4. The command line
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Ask a fine-tuned GPT-2 for its answers: score them on examples (--input), "
-                                            "or talk with a chat model (--chat).")
+    p = argparse.ArgumentParser(formatter_class=ShowDefaults,  # --help shows every default
+                                description="Ask a fine-tuned GPT-2 for its answers: score them on examples (--input), "
+                                "or talk with a chat model (--chat).")
     a = p.add_argument
     a("--ckpt_path", help="one of our checkpoints (log/model_XXXXX.pt), or a Hugging Face-layout folder")
     a("--input", nargs="+", action="extend", default=[], metavar="PATH_OR_DATASET",

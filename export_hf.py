@@ -32,6 +32,7 @@ import sys
 
 import lora
 import tokenizer
+from plumbing import ShowDefaults
 from plumbing.checkpoints import load_checkpoint
 
 FILES = ("config.json", "model.safetensors", "generation_config.json", "vocab.json", "merges.txt",
@@ -176,7 +177,8 @@ def write_folder(out_dir, texts, weights_name, weights):
         shutil.rmtree(tmp + ".old", ignore_errors=True)
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Export a GPT-2 checkpoint of ours to the Hugging Face layout.")
+    p = argparse.ArgumentParser(formatter_class=ShowDefaults,  # --help shows every default
+                                description="Export a GPT-2 checkpoint of ours to the Hugging Face layout.")
     p.add_argument("checkpoint", help="one of our checkpoints (log/model_XXXXX.pt); also a Hugging Face-layout "
                                       "folder or gpt2..gpt2-xl, which it re-exports")
     p.add_argument("output_dir", help="the folder to write (replaced if it holds only an earlier export)")

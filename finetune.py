@@ -24,7 +24,7 @@ import sys
 import numpy as np
 
 from dataloader import TASK_VERSION
-from plumbing import one_line
+from plumbing import ShowDefaults, one_line
 from plumbing.checkpoints import atomic_write
 from tasks import FIELDS, TEMPLATES, check_answer_regex, collect, open_sources, parse_columns
 from tokenizer import decode
@@ -230,7 +230,8 @@ def parse_args(argv=None):
     if "--eval" in argv:  # (it was here until answer.py took it)
         raise SystemExit("error: --eval is answer.py's now: python answer.py "
                          + " ".join(a for a in argv if a != "--eval"))
-    p = argparse.ArgumentParser(description="Task examples (prompt/completion, Alpaca, chat) -> token shards with "
+    p = argparse.ArgumentParser(formatter_class=ShowDefaults,  # --help shows every default
+                                description="Task examples (prompt/completion, Alpaca, chat) -> token shards with "
                                 "a target mask for train_gpt2.py.")
     a = p.add_argument
     a("--input", nargs="+", action="extend", default=[], metavar="PATH_OR_DATASET",

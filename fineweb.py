@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from plumbing import ShowDefaults
 from plumbing.checkpoints import atomic_write
 from tokenizer import EOT, get_encoding
 
@@ -344,7 +345,8 @@ def count(text):
     return int(value)
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Tokenize FineWeb-Edu (or your own text) into uint16 GPT-2 shards.")
+    p = argparse.ArgumentParser(formatter_class=ShowDefaults,  # --help shows every default
+                                description="Tokenize FineWeb-Edu (or your own text) into uint16 GPT-2 shards.")
     a = p.add_argument
     a("--dataset", default="HuggingFaceFW/fineweb-edu",
       help="Hugging Face dataset (or a local folder laid out like one) to stream (default: %(default)s)")

@@ -32,7 +32,8 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
-from plumbing import cpu, speedups, world
+from plumbing import ShowDefaults, cpu, speedups, world
+from plumbing.progress import Bar
 from plumbing.checkpoints import atomic_write
 import tokenizer
 
@@ -236,7 +237,8 @@ def evaluate(model, examples, device="cpu", dtype="fp32", batch_size=16, rank=0,
     rank returns the totals. Returns num_total, num_correct, num_correct_norm, acc, acc_norm."""
     mine = examples[rank::world_size]
     rendered = [render_example(ex, model.config.block_size) for ex in mine]
-    with tqdm(total=len(mine), desc="hellaswag", unit="ex", disable=rank != 0 or not progress, leave=False) as bar:
+    # a bar on a terminal, a line every ~10% in a log (plumbing/progress.py); rank 0 only
+    with Bar(len(mine), "hellaswag", "examples", enabled=rank == 0 and progress) as bar:
         sums, counts = score_endings(model, rendered, device, dtype, max(1, batch_size), bar)
     labels = torch.tensor([ex["label"] for ex in mine], dtype=torch.long)
     pred = sums.argmin(dim=1)  # the lowest total loss: the most likely ending
@@ -275,7 +277,8 @@ def accuracy_during_training(model, examples, ranks, dtype, batch_size):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Evaluate a GPT-2 on HellaSwag (build-nanogpt's completion style).")
+    p = argparse.ArgumentParser(formatter_class=ShowDefaults,  # --help shows every default
+                                description="Evaluate a GPT-2 on HellaSwag (build-nanogpt's completion style).")
     p.add_argument("-m", "--model", default="gpt2", help="gpt2 | gpt2-medium | gpt2-large | gpt2-xl | "
                    "a Hugging Face-layout folder | one of our checkpoints (log/model_XXXXX.pt)")
     p.add_argument("--split", default="val", choices=["train", "val"], help="(test has no labels)")

@@ -1,7 +1,7 @@
 """
 Generate text with a GPT-2: one of ours (a train_gpt2.py checkpoint) or OpenAI's.
 
-    python sample.py --ckpt_path log/model_19072.pt --prompt "It is interesting"
+    python sample.py --ckpt_path log/model_19073.pt --prompt "It is interesting"
     python sample.py --init_from gpt2 --prompt "Hello, I'm a language model," --num_samples 5
     python sample.py --init_from gpt2 --top_k 1            # greedy: always the most likely token
     python sample.py --init_from ./my_gpt2_dir             # config.json + model.safetensors
@@ -24,17 +24,19 @@ import torch
 
 import tasks
 import tokenizer
-from plumbing import cpu, speedups, world
+from plumbing import ShowDefaults, cpu, speedups, world
 
 
 def print_samples(model, ranks, autocast):
-    """train_gpt2.py's look at what the model has learned: four continuations of one prompt."""
+    """train_gpt2.py's look at what the model has learned: four continuations of one prompt, printed and returned."""
     prompt = torch.tensor([tokenizer.encode("Hello, I'm a language model,")] * 4, device=ranks.device)
     gen = torch.Generator(device=ranks.device).manual_seed(42 + ranks.rank)
     with autocast:
         new = torch.stack(list(model.generate(prompt, 32, top_k=50, generator=gen)), dim=1)
-    for i, row in enumerate(torch.cat((prompt, new), dim=1).tolist()):
-        ranks.print0(f"sample {i}: {tokenizer.decode(row)}")
+    lines = [f"sample {i}: {tokenizer.decode(row)}" for i, row in enumerate(torch.cat((prompt, new), dim=1).tolist())]
+    for line in lines:
+        ranks.print0(line)
+    return lines
 
 
 def prompt_tokens(prompt, block_size):
@@ -95,19 +97,20 @@ def continue_text(model, args, generator):
 def parse_args(argv):
     if "--chat" in (sys.argv[1:] if argv is None else argv):  # (it was here until answer.py took it)
         raise SystemExit("error: --chat is answer.py's now: python answer.py --ckpt_path CHECKPOINT --chat")
-    p = argparse.ArgumentParser(description="Sample text from a GPT-2 (ours or OpenAI's), with a KV cache; "
-                                            "ask a fine-tuned one (--prompt).")
+    p = argparse.ArgumentParser(formatter_class=ShowDefaults,  # --help shows every default
+                                description="Sample text from a GPT-2 (ours or OpenAI's), with a KV cache; "
+                                "ask a fine-tuned one (--prompt).")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--ckpt_path", help="a checkpoint written by train_gpt2.py, e.g. log/model_19072.pt")
+    src.add_argument("--ckpt_path", help="a checkpoint written by train_gpt2.py, e.g. log/model_19073.pt")
     src.add_argument("--init_from", help="gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a Hugging Face-layout folder")
     p.add_argument("--prompt", help="text to continue ('' = from scratch; default \"Hello, I'm a language model,\"); "
                                     "to a fine-tuned model: the question, rendered with its task's template")
     p.add_argument("--system", help="to a fine-tuned chat model: a system turn before --prompt")
     p.add_argument("--num_samples", type=int, help="default 5; 1 for a fine-tuned model")
-    p.add_argument("--max_new_tokens", type=int, default=100)
+    p.add_argument("--max_new_tokens", type=int, default=100, help="tokens to generate per sample")
     p.add_argument("--temperature", type=float, default=1.0, help="<1 sharper, >1 more random, 0 = greedy")
     p.add_argument("--top_k", type=int, default=50, help="sample among the k most likely tokens (0 = all; 1 = greedy)")
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--seed", type=int, default=42, help="the same seed prints the same samples")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | xpu | mps")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="precision of the forward pass; "
                    "auto = bf16 where this machine computes it natively and faster, else fp32")

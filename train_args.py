@@ -9,7 +9,7 @@ import os
 
 import dataloader
 import lora
-from plumbing import cache_dir, one_line
+from plumbing import ShowDefaults, cache_dir, one_line
 from plumbing.checkpoints import list_checkpoints, load_checkpoint
 from plumbing.inputs import find_shards
 from plumbing import tensor_parallel
@@ -19,7 +19,8 @@ from plumbing.stage_split import check_layout
 # The flags
 
 def build_parser(defaults=True):
-    p = argparse.ArgumentParser(description="Train or fine-tune GPT-2 on CPUs (and GPUs).",
+    p = argparse.ArgumentParser(formatter_class=ShowDefaults,  # --help shows every default
+                                description="Train or fine-tune GPT-2 on CPUs (and GPUs).",
                                 argument_default=None if defaults else argparse.SUPPRESS)
     d = (lambda v: v) if defaults else (lambda v: argparse.SUPPRESS)
     a = p.add_argument
@@ -27,20 +28,20 @@ def build_parser(defaults=True):
     a("--log_dir", default=d("log"), help="checkpoints and log.txt go here")
     a("--init_from", default=d("scratch"), help="scratch | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | "
       "a Hugging Face-layout directory | one of our checkpoints (.pt)")
-    a("--n_layer", type=int, default=d(12))
-    a("--n_head", type=int, default=d(12))
-    a("--n_embd", type=int, default=d(768))
+    a("--n_layer", type=int, default=d(12), help="transformer blocks of a scratch model")
+    a("--n_head", type=int, default=d(12), help="attention heads per block (divides --n_embd)")
+    a("--n_embd", type=int, default=d(768), help="width of the residual stream")
     a("--block_size", type=int, default=d(1024), help="context length of a scratch model")
     a("--batch_size", type=int, default=d(8), help="sequences per micro-step and rank")
     a("--seq_len", type=int, default=d(1024), help="tokens per training sequence (<= block_size)")
     a("--total_batch_size", type=int, default=d(524288), help="tokens per optimizer step (2**19, ~0.5M)")
     a("--max_steps", type=int, default=d(19073), help="10B tokens / 2**19 tokens per step")
-    a("--warmup_steps", type=int, default=d(715))
-    a("--max_lr", type=float, default=d(6e-4))
-    a("--min_lr", type=float, default=d(6e-5))
-    a("--weight_decay", type=float, default=d(0.1))
-    a("--grad_clip", type=float, default=d(1.0))
-    a("--eval_interval", type=int, default=d(250))
+    a("--warmup_steps", type=int, default=d(715), help="steps of linear warmup to --max_lr")
+    a("--max_lr", type=float, default=d(6e-4), help="peak learning rate, after warmup")
+    a("--min_lr", type=float, default=d(6e-5), help="learning rate at the end of the cosine decay")
+    a("--weight_decay", type=float, default=d(0.1), help="AdamW's decay of matrices (not biases, gains)")
+    a("--grad_clip", type=float, default=d(1.0), help="clip the gradient norm to this")
+    a("--eval_interval", type=int, default=d(250), help="steps between val loss measurements")
     a("--val_tokens", type=int, default=d(10485760), help="val loss is measured on this many tokens")
     a("--hellaswag_interval", type=int, default=d(250), help="0 = off")
     a("--hellaswag_dir", default=d(None), help="HellaSwag cache folder (default: hellaswag.py's)")
@@ -86,7 +87,7 @@ def build_parser(defaults=True):
       "rank: changing the rank does not change how far a step moves the model)")
     a("--lora_targets", default=d("attn,proj,fc,mlp_proj"), help="the Linear layers of each block that get adapters: "
       "attn (attn.c_attn), proj (attn.c_proj), fc (mlp.c_fc), mlp_proj (mlp.c_proj) (default: all four)")
-    a("--seed", type=int, default=d(1337))
+    a("--seed", type=int, default=d(1337), help="weights' init and data order")
     a("--demo", action="store_true", default=d(False), help="train a small GPT on a local demo corpus")
     return p
 

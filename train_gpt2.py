@@ -25,7 +25,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from plumbing import attention, checkpoints, cpu, inputs, layouts, parts, pipeline, sharding, speedups, tensor_parallel, world
+from plumbing import (attention, checkpoints, cpu, inputs, layouts, parts, pipeline, progress, report, sharding,
+                      speedups, tensor_parallel, world)
 from plumbing.checkpoints import append_log, checkpoint_path, list_checkpoints, load_checkpoint
 from plumbing.fused_loss import IGNORE, lm_head_loss
 import dataloader
@@ -357,7 +358,7 @@ def print_next_steps(args, ranks):
     ckpt = (list_checkpoints(args.log_dir) or ["(none: --checkpoint_interval 0)"])[-1]
     ranks.print0(f"\ndemo finished: checkpoint {ckpt}, log {os.path.join(args.log_dir, 'log.txt')}. Next:\n"
                  f"  python sample.py --ckpt_path {ckpt} --prompt 'def '   # what it learned to write\n"
-                 f"  jupyter notebook play.ipynb    # the loss curves (set log_dir = \"{args.log_dir}\" in its first cell)\n"
+                 f"  {os.path.join(args.log_dir, 'report.png')}, report.md    # the loss curves, the run in short\n"
                  f"  python fineweb.py, then python train_gpt2.py    # the real thing: GPT-2 (124M) on FineWeb-Edu")
 
 # -----------------------------------------------------------------------------
@@ -380,9 +381,7 @@ class Run:
     def __init__(self, args, ranks, task):
         self.args, self.ranks, self.task = args, ranks, task
         self.lay_out()
-        # a layout that runs the step its own way (prepare_training): --pp's stage and schedule (plumbing/pipeline.py),
-        # or --tp's share of every block (plumbing/tensor_parallel.py)
-        self.pipe = None
+        self.pipe = None  # --pp's stage and schedule (plumbing/pipeline.py), or --tp's share of every block: its own step
         self.train_loader = self.hellaswag = self.lock = self.device_type = self.dtype = self.autocast = self.ipex = None
         self.raw_model = self.model = self.optimizer = None  # raw_model: the plain GPT; model: what trains
         self.compiled, self.flops_per_token, self.matmul_rate, self.lora = False, 0, None, None
@@ -530,10 +529,7 @@ def build_model(run, ckpt):
     if ranks.master and args.checkpoint_interval > 0:  # what trains, and AdamW's two moments, in fp32
         checkpoints.check_free_space(args.log_dir, 12 * sum(p.numel() for p in model.parameters() if p.requires_grad),
                                      "a checkpoint")
-    whole, part = n_params, ""
-    if args.pp * args.tp > 1:  # (a stage or a share: the whole model's count, and the part's)
-        whole, part = layouts.parameters(config)[0], f" (rank 0 holds {n_params / 1e6:.2f}M: its {'stage' if args.pp > 1 else 'share'})"
-    ranks.print0(f"model: {whole / 1e6:.2f}M parameters{part}, {config}")
+    ranks.print0(parts.model_line(config, n_params, args))
     return model.to(ranks.device)  # the plain GPT: evaluation and sampling run it eagerly
 
 def prepare_training(run, ckpt, ckpt_file):
@@ -597,7 +593,8 @@ def evaluate(run, step, due):
     if due(args.eval_interval):  # the mean loss over every val target (a task may have none: then no val line)
         stats = torch.zeros(2, dtype=torch.float64, device=ranks.device)  # summed loss, target count
         with torch.no_grad():
-            for batch in dataloader.val_batches(args, run.task, run.data_ranks, lockstep=run.sharded or args.pp > 1):
+            batches = dataloader.val_batches(args, run.task, run.data_ranks, lockstep=run.sharded or args.pp > 1)
+            for batch in progress.each(batches, "validation", "batches", ranks.master):  # (a bar, or a line a tenth)
                 x, y, packed = batch if batch is not None else (torch.zeros(1, args.seq_len, dtype=torch.long),) * 2 + (None,)
                 with run.autocast:
                     _, loss = (run.pipe or model)(x.to(ranks.device), y.to(ranks.device), packed=packed and packed.to(ranks.device))
@@ -621,7 +618,7 @@ def evaluate(run, step, due):
         append_log(args.log_dir, ranks, f"{step} hella {acc:.4f}")
     if due(args.sample_interval) and (step > 0 or step == args.max_steps) and (ranks.master or run.sharded) and not run.pipe:
         import sample  # (sharded, every rank generates alongside rank 0, to join the all-gathers of every forward)
-        sample.print_samples(model, ranks, run.autocast)
+        run.samples = sample.print_samples(model, ranks, run.autocast)  # (report.md keeps the last)
     return val_loss
 
 def save_checkpoint(run, step, val_loss, evaluated=True):
@@ -756,13 +753,14 @@ def main(argv=None):
                  f"{run.replicas} rank(s) x {run.grad_accum_steps} accumulation steps" + (f" (x {args.pp} stages)" if args.pp > 1 else "")
                  + (f" (x {args.tp} tensor-parallel ranks)" if args.tp > 1 else ""))
 
-    skipped, exit_code, first_dt = 0, 0, 0.0
+    skipped, exit_code, first_dt, clock = 0, 0, 0.0, progress.StepClock(args, start_step, ranks.print0)  # (ETA)
     for step in range(start_step, args.max_steps + 1):
         last_step = step == args.max_steps
         # a resumed run already did the evals and the checkpoint of its first step (unless a signal stopped it)
         periodic = step > start_step or not evaluated
         due = lambda interval: periodic and interval > 0 and (step % interval == 0 or last_step)  # noqa: E731
         val_loss = evaluate(run, step, due)
+        report.update(run, evaluated=due(args.eval_interval))  # log_dir/report.png and .md (plumbing/report.py)
         if due(args.checkpoint_interval) and step > 0 and not skipped:
             save_checkpoint(run, step, val_loss)
         if last_step:
@@ -773,8 +771,8 @@ def main(argv=None):
         t0 = time.time()
         loss, norm, lr, updated = train_step(run, step)
         dt = time.time() - t0
-        ranks.print0(f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm:.4f} | "
-                     f"dt {dt * 1000:.0f}ms | tok/sec {args.total_batch_size / dt:.0f}{run.share_of_matmul_rate(dt)}")
+        ranks.print0(f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm:.4f} | dt {dt * 1000:.0f}ms | "
+                     f"tok/sec {args.total_batch_size / dt:.0f}{run.share_of_matmul_rate(dt)}{clock.tick(step, dt)}")
         append_log(args.log_dir, ranks, f"{step} train {loss:.6f}", f"{step} tok/s {args.total_batch_size / dt:.0f}")
         first_dt = dt if step == start_step else first_dt
         if run.compiled and step == start_step + 1:  # the first step's extra time went to compiling (0 if cached)
@@ -785,6 +783,7 @@ def main(argv=None):
             exit_code = save_after_signal(run, signum, step + 1, save)
             break
 
+    report.update(run, final=True)  # the picture of the whole run
     # DDP's promise: every rank ends with the same weights (a pipeline's: each stage's replicas do)
     run.pipe.check_same_weights(ranks) if run.pipe else world.check_same_weights(ranks, run.raw_model)
     world.report_peak_memory(ranks)

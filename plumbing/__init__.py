@@ -10,11 +10,20 @@ but not to read first. One topic per module:
                   the optional ways to make a step faster: torch.compile and Intel's IPEX
   checkpoints.py  run folders: checkpoint names, atomic writes, checksums, .pt and .dcp files, the lock
   sharding.py     FSDP2: a GPT split across the ranks, built without any rank holding all of it
+  stage_split.py  where --pp cuts the blocks into stages
   pipeline.py     pipeline parallel (--pp): a GPT cut into stages on a (dp, pp) mesh, its schedule, its checkpoints
+  tensor_parallel.py  tensor parallel (--tp): each block split over ranks
+  layouts.py      --parallel auto: the layout predicted fastest from measured links and memory
+  fused_loss.py   lm_head and the loss, a chunk of positions at a time
+  attention.py    causal attention: our AMX kernel (attention.cpp) where it measures faster than PyTorch's
   inputs.py       what a run reads besides its arguments: the token shards' id check, OpenAI's weights
+  progress.py     how long: the step line's elapsed time and ETA, progress lines of long passes
+  report.py       every run's picture: log_dir/report.png and report.md from its log.txt (and plot.py's)
 
-This file holds what they all share: one-line errors and the cache folder with its small JSON files.
+This file holds what they all share: one-line errors, the cache folder with its small JSON files, and
+the --help format of every script.
 """
+import argparse
 import json
 import os
 import threading
@@ -23,6 +32,13 @@ def one_line(e):
     """An exception as one line: errors we report must fit on one."""
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+class ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Every script's --help format: each flag's help ends with its default, "(default: 16)", unless the help
+    already says it in words ("default: the longest example"), where a bare "None" would tell nothing."""
+
+    def _get_help_string(self, action):
+        return action.help if "default" in (action.help or "") else super()._get_help_string(action)
 
 def cache_dir(*parts):
     """~/.cache/gpt2-cpu/... (or under $XDG_CACHE_HOME): the demo's shards, compiled kernels, token-id

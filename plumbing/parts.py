@@ -32,6 +32,14 @@ def build_part(make, args, ranks, init_weights):
             tensor_parallel.split_model(model, mesh["tp"], args.tp)
     return sharding.build_in_pieces(make, allocate, init_weights)
 
+def model_line(config, held, args):
+    """'model: 774.03M parameters (rank 0 holds 321.51M: its stage), GPTConfig(...)': held is what rank 0 holds."""
+    from plumbing import layouts
+    if args.pp * args.tp == 1:
+        return f"model: {held / 1e6:.2f}M parameters, {config}"
+    part = "stage" if args.pp > 1 else "share"
+    return f"model: {layouts.parameters(config)[0] / 1e6:.2f}M parameters (rank 0 holds {held / 1e6:.2f}M: its {part}), {config}"
+
 def one_process_groups(names, groups):
     """AdamW's param_groups as a one-process run's checkpoint names them (get_state_dict): the whole model's trained
     parameters, decayed matrices first (GPT.configure_optimizer), with this rank's hyperparameters for each kind.

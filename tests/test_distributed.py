@@ -442,7 +442,8 @@ def two_ranks_sharded(data, tmp_path_factory):
 def test_torchrun_two_ranks_sharded_equals_ddp_and_one_process(single, two_ranks, two_ranks_sharded):
     log_dir, proc = two_ranks_sharded
     assert "shard: FSDP2, each rank holds 1/2 of the weights, gradients and AdamW state" in proc.stdout
-    assert sorted(os.listdir(log_dir)) == ["args.json", "lock", "log.txt", "model_00003.dcp", "model_00006.dcp"]
+    assert sorted(os.listdir(log_dir)) == ["args.json", "lock", "log.txt", "model_00003.dcp", "model_00006.dcp",
+                                           "report.md", "report.png"]  # (rank 0's report, no other rank's)
     worst = assert_same_run(single[0], log_dir)
     print(f"torchrun x2 sharded vs 1 process: largest train loss difference {worst:.1e}")
     assert final_weights_diff(single[0], log_dir) <= TOL and final_weights_diff(two_ranks[0], log_dir) <= TOL

@@ -102,7 +102,8 @@ def finished(data, tmp_path_factory):
 
 
 def test_checkpoint_loads_with_weights_only(finished):
-    assert sorted(os.listdir(finished)) == ["args.json", "lock", "log.txt", "model_00003.pt", "model_00006.pt"]
+    assert sorted(os.listdir(finished)) == ["args.json", "lock", "log.txt", "model_00003.pt", "model_00006.pt",
+                                            "report.md", "report.png"]
     ckpt = torch.load(finished / "model_00006.pt", weights_only=True)
     assert ckpt["step"] == 6 and ckpt["config"]["n_layer"] == 2
     assert ckpt["args"]["total_batch_size"] == 256 and ckpt["loader"]["seed"] == 1337

@@ -1,0 +1,114 @@
+"""
+How long: every long phase of a run says how far it is and when it will end.
+
+  StepClock   the step line's `elapsed` and `ETA`, and a note at the start when the plan takes more
+              than a day on this machine
+  Bar         a long pass (validation, HellaSwag) as a progress bar on a terminal, and as a line
+              every ~10% in a log (a file or a pipe, where a bar's carriage returns make a mess)
+
+Only rank 0 shows them (the trainer passes ranks.print0, or enabled=ranks.master).
+"""
+import sys
+import time
+
+STARTED = time.time()  # about when the process started (the trainer imports plumbing first thing)
+QUIET_S = 10  # a pass shorter than this prints no progress lines: a tiny eval needs none
+DAY = 86400
+
+def duration(seconds):
+    """A time span as a person says it: 42s, 3m05s, 2h07m, 3d04h."""
+    s = int(max(seconds, 0))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < DAY:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // DAY}d{s % DAY // 3600:02d}h"
+
+# -----------------------------------------------------------------------------
+# The step line's clock
+
+def evals_between(first, last, interval):
+    """How many evaluation steps (multiples of interval) lie in first..last, both included."""
+    return 0 if interval <= 0 or last < first else last // interval - (first - 1) // interval
+
+class StepClock:
+    """Time left = the steps left x the time of a recent step + the evaluations left x the time an evaluation
+    took so far. An evaluation's time is what passed between steps without a step running (val loss,
+    HellaSwag, samples, checkpoints); the first step is left out of a step's time (it also compiles)."""
+
+    def __init__(self, args, start_step, print0):
+        self.args, self.start_step, self.print0 = args, start_step, print0
+        self.started = time.time()  # the loop starts: the first evaluation is about to run
+        self.dts = []
+
+    def tick(self, step, dt):
+        """After step `step`, which took dt seconds: ' | elapsed 1m02s | ETA 3m10s' for its line."""
+        self.dts.append(dt)
+        args, now = self.args, time.time()
+        recent = self.dts[1:][-20:] or self.dts
+        steps_left = args.max_steps - step - 1
+        paused = max(now - self.started - sum(self.dts), 0.0)  # time between steps: evaluations, checkpoints
+        done = evals_between(self.start_step, step, args.eval_interval)
+        left = evals_between(step + 1, args.max_steps, args.eval_interval)
+        left += args.eval_interval > 0 and args.max_steps % args.eval_interval != 0  # (the last step evaluates too)
+        eta = steps_left * sum(recent) / len(recent) + left * paused / max(done, 1)
+        if len(self.dts) == 3 and now - STARTED + eta > DAY:  # (printed before the third step's line, measured
+            # from the two steps after the first, which compiles too)
+            self.print0(self.too_long(eta, now))
+        return f" | elapsed {duration(now - STARTED)} | ETA {duration(eta)}"
+
+    def too_long(self, eta, now):
+        """The note when the run as planned takes more than a day here."""
+        a = self.args
+        ends = time.strftime("%Y-%m-%d %H:%M", time.localtime(now + eta))
+        remedy = ("; --hours H trains the best model H hours allow" if hasattr(a, "hours") else "")
+        return (f"note: this run's plan, {a.max_steps} steps of {a.total_batch_size:,} tokens, takes about "
+                f"{duration(now - STARTED + eta)} on this machine at the speed of its first steps (ends {ends}): "
+                f"more than a day{remedy}")
+
+# -----------------------------------------------------------------------------
+# A long pass's progress
+
+class Bar:
+    """tqdm's bar on a terminal; elsewhere a line every ~10% of total, once the pass has run QUIET_S seconds.
+    Used like tqdm: bar.update(n), and as a context manager. enabled False: silent (every rank but 0)."""
+
+    def __init__(self, total, desc, unit="it", enabled=True):
+        self.total, self.desc, self.unit, self.n, self.shown = total, desc, unit, 0, 0
+        self.started, self.tqdm = time.time(), None
+        self.enabled = enabled and total > 0
+        if self.enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+            self.tqdm = tqdm(total=total, desc=desc, unit=unit, leave=False)
+
+    def update(self, n=1):
+        self.n += n
+        if self.tqdm is not None:
+            self.tqdm.update(n)
+            return
+        tenth = self.n * 10 // self.total  # how many tenths are done
+        spent = time.time() - self.started
+        if self.enabled and tenth > self.shown and spent >= QUIET_S:
+            self.shown = tenth
+            eta = spent / self.n * (self.total - self.n)
+            print(f"{self.desc}: {self.n * 100 // self.total}% ({self.n}/{self.total} {self.unit}), "
+                  f"{duration(spent)}, ETA {duration(eta)}", flush=True)
+
+    def close(self):
+        if self.tqdm is not None:
+            self.tqdm.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+def each(items, desc, unit, enabled):
+    """Yield items (a list), showing a Bar's progress over them."""
+    with Bar(len(items), desc, unit, enabled) as bar:
+        for item in items:
+            yield item
+            bar.update(1)

@@ -1,0 +1,92 @@
+"""Every long phase says how long (plumbing/progress.py): the step line's elapsed time and ETA, progress lines
+of the val pass and HellaSwag in a log, and the note when a run's plan takes more than a day here."""
+import argparse
+import os
+import re
+import subprocess
+import sys
+
+from conftest import HELLASWAG_EXAMPLES, REPO, make_shards, run_train, tiny_run_args, write_hellaswag
+from plumbing import progress
+
+STEP_LINE = re.compile(r"^step +\d+ \| .* \| elapsed \d+s \| ETA \d+(s|m\d\ds)$", re.M)
+
+# train_gpt2.py as a user runs it, but with the thresholds of a long run: progress lines for a pass of any
+# length, and a "day" that any plan exceeds
+PATCHED = """
+import sys
+sys.path.insert(0, {repo!r})
+from plumbing import progress
+progress.QUIET_S, progress.DAY = 0, {day}
+import train_gpt2
+train_gpt2.main(sys.argv[1:])
+"""
+
+
+def run_patched(tmp_path, args, day=86400):
+    script = tmp_path / "patched.py"
+    script.write_text(PATCHED.format(repo=REPO, day=day))
+    proc = subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"), timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_long_passes_print_a_line_every_tenth(tmp_path):
+    hs = write_hellaswag(tmp_path / "hs", HELLASWAG_EXAMPLES)
+    out = run_patched(tmp_path, tiny_run_args(make_shards(tmp_path / "data"), tmp_path / "log", "--val_tokens", "1280",
+                                              "--hellaswag_interval", "3", "--hellaswag_dir", hs))
+    assert len(STEP_LINE.findall(out)) == 6  # every step line ends with its elapsed time and ETA
+    val = re.findall(r"^validation: (\d+)% \((\d+)/10 batches\), \d+s, ETA \d+s$", out, re.M)
+    # 1280 val tokens = 10 batches of 4 x 32: a line each tenth, at evaluations 0, 3 and 6
+    assert [int(n) for _, n in val] == list(range(1, 11)) * 3
+    hella = re.findall(r"^hellaswag: (\d+)% \((\d+)/6 examples\)", out, re.M)
+    assert hella == [("66", "4"), ("100", "6")] * 3  # (scored 4 examples a batch: --batch_size)
+    assert "note: " not in out  # 6 steps take less than a day
+
+
+def test_a_plan_longer_than_a_day_says_so_once(tmp_path):
+    out = run_patched(tmp_path, tiny_run_args(make_shards(tmp_path / "data"), tmp_path / "log"), day=1e-6)
+    notes = re.findall(r"^note: this run's plan, 6 steps of 256 tokens, takes about \d+s on this machine at the "
+                       r"speed of its first steps \(ends [\d-]+ [\d:]+\): more than a day$", out, re.M)
+    assert len(notes) == 1 and "--hours" not in out  # (no such flag yet: no remedy named)
+    assert out.index("step     1 |") < out.index(notes[0]) < out.index("step     2 |")  # measured from steps 1, 2
+
+
+def test_short_passes_stay_quiet(tmp_path):
+    out = run_train(tiny_run_args(make_shards(tmp_path / "data"), tmp_path / "log")).stdout
+    assert len(STEP_LINE.findall(out)) == 6 and "validation: " not in out and "note: " not in out
+
+
+def test_the_eta_counts_steps_and_evaluations(monkeypatch):
+    """A fake clock: steps of 10 s, evaluations of 50 s, every 250 steps of GPT-2 (124M)'s 19,073."""
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "time", lambda: now[0])
+    monkeypatch.setattr(progress, "STARTED", 0.0)
+    printed = []
+    args = argparse.Namespace(max_steps=19073, eval_interval=250, total_batch_size=524288)
+    clock = progress.StepClock(args, 0, printed.append)
+    now[0] += 50 + 30  # the first evaluation, then step 0 (30 s: it compiled too)
+    assert clock.tick(0, 30.0) == f" | elapsed 1m20s | ETA {progress.duration(19072 * 30 + 77 * 50)}"
+    now[0] += 10
+    line = clock.tick(1, 10.0)  # from now on 10 s a step: 19071 steps and 77 evaluations left (76 + the last)
+    assert line == f" | elapsed 1m30s | ETA {progress.duration(19071 * 10 + 77 * 50)}" == " | elapsed 1m30s | ETA 2d06h"
+    assert not printed
+    now[0] += 10
+    eta = 19070 * 10 + 77 * 50
+    assert clock.tick(2, 10.0) == f" | elapsed 1m40s | ETA {progress.duration(eta)}"
+    ends = progress.time.strftime("%Y-%m-%d %H:%M", progress.time.localtime(100 + eta))
+    assert printed == [f"note: this run's plan, 19073 steps of 524,288 tokens, takes about 2d06h on this machine at "
+                       f"the speed of its first steps (ends {ends}): more than a day"]
+    args.hours = None  # a trainer with --hours names it
+    assert printed[0] + "; --hours H trains the best model H hours allow" == clock.too_long(eta, 100)
+
+
+def test_a_bar_in_a_log_prints_each_tenth_on_rank_0_only(capsys, monkeypatch):
+    monkeypatch.setattr(progress, "QUIET_S", 0)
+    for enabled in (True, False):
+        with progress.Bar(25, "pass", "items", enabled) as bar:
+            for _ in range(25):
+                bar.update(1)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" (")[0] for line in lines] == [f"pass: {p}%" for p in (12, 20, 32, 40, 52, 60, 72, 80, 92, 100)]
