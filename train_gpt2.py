@@ -509,7 +509,7 @@ def build_model(run, ckpt):
         if run.sharded:
             return sharding.build_sharded(make, ranks, run.dtype == "bf16", init_weights, args.shard == "grads")
         if run.in_parts and not (args.lora and run.dtype == "bf16"):  # a stage, a share: built alone
-            return parts.build_part(make, args, ranks, init_weights)
+            return parts.build_part(make, args, ranks, init_weights, run.dtype == "bf16")
         return sharding.build_in(torch.bfloat16, make, init_weights) if args.lora and run.dtype == "bf16" else make()
     if ckpt is not None and not ckpt["sharded_path"] and not args.lora:
         model = GPT.from_checkpoint(ckpt, build)

@@ -11,14 +11,12 @@ decided from the CPU: measured, predicted, and said in one line.
     The fastest prediction wins; the line gives it, the runner-up, and the flag that forces another.
   - Layouts that talk inside every block (FSDP gathers each block's weights twice a micro-step, TP all-reduces its
     activations four times) have that block timed as they run it, collectives and all: their small messages cost
-    far more than the bytes over the link say where the ranks crowd the cores (docs/parallel.md: predicted 0.55x
-    and 0.63x of the measured step that way at 10 Gbit/s).
+    far more than the bytes over the link say where the ranks crowd the cores (docs/parallel.md).
   - Nodes: ranks with one hostname share a node (shared memory between them, the network between nodes). Tensor
     parallel is offered only where its groups lie inside a node (its block is timed there, on that link); with
     several nodes of several ranks, the link across nodes is timed between one rank of each node.
 
-The predictions assume nothing overlaps: compute, then sending. DDP and FSDP do overlap some of their sending with the
-backward, so they run faster than predicted where both take long (docs/parallel.md has the measured table).
+The predictions assume nothing overlaps: compute, then sending (DDP and FSDP overlap some: docs/parallel.md).
 """
 import math
 import os
@@ -35,6 +33,13 @@ FORCED = {"dp": ("none", 1), "fsdp": ("full", 1), "fsdp_grads": ("grads", 1)}  #
 HEADROOM = 0.9  # a layout must fit in this share of the free memory: the rest is for what the estimate leaves out
 STATE_BYTES = 16  # per trained parameter: fp32 weight, gradient, AdamW's two moments
 
+def beyond_state(params, vocab_matrices, config, bf16):
+    """A rank's peak beyond its training state, as measured (peak RSS on an AMD EPYC Zen 4; fitted on GPT-2 large's
+    shape on 3 stages, fp32 and bf16): the process (torch, its libraries, the process group) 0.3 GiB; 2 bytes a
+    parameter (a backward's temporaries); 4 V C bytes for each vocabulary matrix held (the tied weight's gradients,
+    from the embedding and from the loss); in bf16, autocast's copy of every weight, 2 bytes a parameter."""
+    return 0.3 * 2**30 + (2 + 2 * bf16) * params + vocab_matrices * 4 * config.vocab_size * config.n_embd
+
 @dataclass
 class Layout:
     name: str  # dp, fsdp, fsdp_grads, pp, tp
@@ -46,6 +51,7 @@ class Layout:
     sent_in_blocks: float = 0.0  # of them, the bytes inside `block`'s time (FSDP's gathers of the blocks, TP's all-reduces)
     block: float = 0.0  # seconds of a block's forward and backward as this layout runs it (FSDP, TP: timed); 0: plain
     seconds: float = 0.0  # the predicted step
+    stage_blocks: float = 0.0  # a pipeline's slowest stage's compute, in blocks (stages())
 
     def flags(self):
         return f"--pp {self.pp}" if self.pp > 1 else f"--tp {self.tp}" if self.tp > 1 else f"--parallel {self.name}"
@@ -81,15 +87,15 @@ def ring(world, size):
     """Bytes a rank sends in a ring all-gather or reduce-scatter of `size` bytes (an all-reduce is both)."""
     return (world - 1) / world * size
 
-def stages(config, pp, seq_len):
+def stages(config, pp, seq_len, budget=None, bf16=False):
     """A pipeline's [(first block, end)] per stage, and its slowest stage's compute in blocks (lm_head and the loss
-    count on the last stage), as stage_split.py cuts it."""
+    count on the last stage), as stage_split.py cuts it (to fit budget, --max_memory in bytes, where it can)."""
     block_cost, head_cost = stage_split.stage_costs(config, seq_len)
-    bounds = stage_split.split_blocks(config.n_layer, pp, block_cost, head_cost)
+    bounds = stage_split.stage_bounds(config, pp, seq_len, budget, bf16)
     return bounds, max(
         (b - a) + (s == pp - 1) * head_cost / block_cost for s, (a, b) in enumerate(bounds))
 
-def plan(layout, config, world, rows, seq_len, micro_steps, bf16):
+def plan(layout, config, world, rows, seq_len, micro_steps, bf16, budget=None):
     """Fill in the layout's memory and bytes sent a step (micro_steps: each data-parallel replica's accumulation
     steps), the bytes as the trainer's plan lines compute them (sharding, pipeline, tensor_parallel; on gloo)."""
     P, block, embeddings = parameters(config)
@@ -97,26 +103,29 @@ def plan(layout, config, world, rows, seq_len, micro_steps, bf16):
     acts = lambda layers: activation_bytes(config, rows, seq_len, layers, bf16)  # noqa: E731
     L = config.n_layer
     if layout.name == "dp":  # the whole state; DDP's buckets are a second copy of the gradients
-        layout.memory = (STATE_BYTES + 4) * P + acts(L)
+        layout.memory = (STATE_BYTES + 4) * P + acts(L) + beyond_state(P, 1, config, bf16)
         layout.sent = sharding.bytes_sent(P, P, world, "none", micro_steps, bf16)
     elif layout.name == "fsdp":  # a share of the state; one block and the embeddings gathered at a time
-        layout.memory = STATE_BYTES * P / world + 2 * (4 * block + 4 * embeddings) + acts(L)
+        layout.memory = STATE_BYTES * P / world + 2 * (4 * block + 4 * embeddings) + acts(L) + beyond_state(P / world, 1, config, False)
         layout.sent = sharding.bytes_sent(P, P, world, "full", micro_steps, bf16)
         layout.sent_in_blocks = 2 * micro_steps * ring(world, L * block * weight)  # (the embeddings' go over the link)
     elif layout.name == "fsdp_grads":  # every weight gathered and kept, with its gradient, for the whole step
-        layout.memory = (STATE_BYTES - 8) * P / world + (weight + 4) * P + acts(L)
+        layout.memory = (STATE_BYTES - 8) * P / world + (weight + 4) * P + acts(L) + beyond_state(P / world, 1, config, False)
         layout.sent = sharding.bytes_sent(P, P, world, "grads", micro_steps, bf16)
     elif layout.name == "tp":  # a 1/tp share of every block's matrices; embeddings, LayerNorms and lm_head whole
         t, dp = layout.tp, world // layout.tp
         held, tp_bytes, dp_bytes = tensor_parallel.rank_plan(config, t, dp, rows, seq_len, micro_steps,
                                                              "bf16" if bf16 else "fp32")
-        layout.memory = (STATE_BYTES + 4 * (dp > 1)) * held + acts(L) * (1 + 1 / t) / 2  # (about half of them split)
+        layout.memory = (STATE_BYTES + 4 * (dp > 1)) * held + acts(L) * (1 + 1 / t) / 2 + \
+            beyond_state(held, 1, config, bf16)  # (about half of the activations split)
         layout.sent, layout.sent_in_blocks = tp_bytes + dp_bytes, tp_bytes
     else:  # pipeline: the busiest stage; 1F1B keeps at most pp micro-batches' activations on the first stage
         dp = world // layout.pp
-        bounds, _ = stages(config, layout.pp, seq_len)
+        bounds, layout.stage_blocks = stages(config, layout.pp, seq_len, budget, bf16)
         held = stage_split.stage_plan(config, bounds, rows, seq_len, micro_steps, dp)
-        layout.memory = max((STATE_BYTES + 4 * (dp > 1)) * params for _, params, _ in held) + \
+        layout.memory = max((STATE_BYTES + 4 * (dp > 1)) * params + beyond_state(params, (s == 0) + (s == len(held) - 1),
+                                                                                  config, bf16)
+                            for s, (_, params, _) in enumerate(held)) + \
             min(layout.pp, micro_steps) * acts(max(b - a for a, b in bounds))
         layout.sent = max(sent for _, _, sent in held)
     return layout
@@ -261,7 +270,7 @@ def predict(layout, config, world, seq_len, micro_steps, block_seconds, link, cr
         compute = micro_steps * (L * (layout.block or block_seconds) + head)
         messages = {"fsdp": 2 * micro_steps + L + 1, "fsdp_grads": 2 * (L + 1), "dp": L + 1, "tp": 1}[layout.name]
     else:
-        chain = (micro_steps + layout.pp - 1) * stages(config, layout.pp, seq_len)[1] * block_seconds / crowd
+        chain = (micro_steps + layout.pp - 1) * layout.stage_blocks * block_seconds / crowd
         # On crowded cores the lighter stages' and the bubble's idle time is lent to the busy stage (3 ranks on 2
         # cores: ZeRO-2 predicted ahead, the pipeline measured 1.19x faster), so the node's cores, all busy with the
         # whole step's work, bound it instead; with a core for every thread (crowd 1) the chain is always longer.
@@ -290,7 +299,8 @@ def check_fits(args, config, ranks, bf16):
     W, tp = ranks.world_size, getattr(args, "tp", 1)
     name = "pp" if args.pp > 1 else "tp" if tp > 1 else {"none": "dp", "full": "fsdp", "grads": "fsdp_grads"}[args.shard]
     micro = args.total_batch_size // (args.batch_size * args.seq_len * (W // (args.pp * tp)))
-    layout = plan(Layout(name, args.shard, args.pp, tp), config, W, args.batch_size, args.seq_len, micro, bf16)
+    layout = plan(Layout(name, args.shard, args.pp, tp), config, W, args.batch_size, args.seq_len, micro, bf16,
+                  args.max_memory and args.max_memory * 2**30)
     free = free_memory(ranks, args.max_memory)
     if layout.memory > free:
         raise SystemExit(f"error: {layout.describe(W)} needs ~{gib(layout.memory)} a rank (training state and "
@@ -303,7 +313,8 @@ def decide(args, config, ranks, bf16, autocast, make_block):
     W = ranks.world_size
     free = free_memory(ranks, args.max_memory)
     micro = lambda dp: args.total_batch_size // (args.batch_size * args.seq_len * dp)  # noqa: E731
-    planned = lambda l: plan(l, config, W, args.batch_size, args.seq_len, micro(W // (l.pp * l.tp)), bf16)  # noqa: E731
+    planned = lambda l: plan(l, config, W, args.batch_size, args.seq_len, micro(W // (l.pp * l.tp)), bf16,  # noqa: E731
+                             args.max_memory and args.max_memory * 2**30)
     dp = planned(Layout("dp", *FORCED["dp"]))
     if dp.memory <= HEADROOM * free:
         return dp, (f"parallel: {dp.describe(W)}: the training state and activations, ~{gib(dp.memory)} a rank, fit "

@@ -17,15 +17,15 @@ import hashlib
 
 import torch.distributed as dist
 
-def build_part(make, args, ranks, init_weights):
+def build_part(make, args, ranks, init_weights, bf16):
     """make()'s model, as this rank holds it under --pp (its stage) or --tp (its share of every block), built alone:
     on the meta device, cut or split, then given memory for its part only, and filled with exactly the weights one
     process gets for the same seed (sharding.build_in_pieces), or left for a checkpoint's or pretrained weights."""
-    from plumbing import sharding, stage_split, tensor_parallel
+    from plumbing import pipeline, sharding, stage_split, tensor_parallel
     def allocate(model):
-        if args.pp > 1:
+        if args.pp > 1:  # (cut as pipeline.Pipeline cuts it)
             index = ranks.rank % args.pp
-            bounds = stage_split.stage_bounds(model.config, args.pp, args.seq_len)
+            bounds = stage_split.stage_bounds(model.config, args.pp, args.seq_len, pipeline.memory_budget(args), bf16)
             stage_split.cut_to_stage(model, index, args.pp, bounds[index]).to_empty(device="cpu")
         else:
             mesh = tensor_parallel.mesh_of(ranks.world_size, args.tp, ranks.device.split(":")[0])

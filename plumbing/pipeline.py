@@ -27,6 +27,10 @@ def replica_ranks(ranks, pp):
         replica.print0 = lambda *a, **k: None
     return replica
 
+def memory_budget(args):
+    """--max_memory in bytes, or None: a pipeline's stages are cut to fit it (stage_split.stage_bounds)."""
+    return args.max_memory * 2**30 if getattr(args, "max_memory", None) else None
+
 def local(t):
     """A sharded tensor's piece on this rank (a DTensor's local part); any other tensor as it is."""
     from torch.distributed.tensor import DTensor
@@ -75,7 +79,7 @@ class Pipeline:
         # the tied weight's two copies: one group per replica, its first and last stage (every rank makes every group)
         tied = [dist.new_group([d * self.pp, d * self.pp + self.pp - 1]) for d in range(self.dp)]
         self.tied_group = tied[self.replica]
-        self.bounds = stage_bounds(model.config, self.pp, args.seq_len)
+        self.bounds = stage_bounds(model.config, self.pp, args.seq_len, memory_budget(args), dtype == "bf16")
         self.stage = Stage(model, self.index, self.pp, self.bounds[self.index], dtype, device_type)
         self.first, self.last = self.stage.first, self.stage.last
         self.shard = args.shard if self.dp > 1 else "none"  # (one replica: nothing to split)

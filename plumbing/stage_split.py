@@ -39,9 +39,10 @@ def stage_costs(config, seq_len):
     C = config.n_embd
     return 24 * C * C + 4 * seq_len * C, 2 * config.vocab_size * C
 
-def split_blocks(n_layer, n_stages, block_cost, head_cost):
+def split_blocks(n_layer, n_stages, block_cost, head_cost, fits=None):
     """[(first block, end)] for each stage: contiguous, at least one block each, the largest stage cost (its blocks,
-    plus lm_head's for the last) as small as it can be. Exact, by dynamic programming over the cut points."""
+    plus lm_head's for the last) as small as it can be. Exact, by dynamic programming over the cut points. fits(stage,
+    first block, end): False rules that stage out (None: no such cut fits)."""
     if n_stages > n_layer:
         raise SystemExit(f"error: --pp {n_stages}: more stages than the model's {n_layer} blocks")
     INF = float("inf")
@@ -52,18 +53,36 @@ def split_blocks(n_layer, n_stages, block_cost, head_cost):
         extra = head_cost if s == n_stages else 0.0
         for b in range(s, n_layer + 1):
             for a in range(s - 1, b):
+                if fits is not None and not fits(s - 1, a, b):
+                    continue
                 cost = max(best[s - 1][a], (b - a) * block_cost + extra)
                 if cost < best[s][b]:
                     best[s][b], cut[s][b] = cost, a
+    if best[n_stages][n_layer] == INF:
+        return None
     bounds, b = [], n_layer
     for s in range(n_stages, 0, -1):
         bounds.append((cut[s][b], b))
         b = cut[s][b]
     return bounds[::-1]
 
-def stage_bounds(config, n_stages, seq_len):
-    """Each stage's (first block, end), balanced by compute (split_blocks)."""
-    return split_blocks(config.n_layer, n_stages, *stage_costs(config, seq_len))
+def stage_params(config, a, b, first, last):
+    """A stage's parameters: a block's 12 C^2 + 13 C each, the embeddings' (V + block_size) C on the first stage, ln_f's
+    2 C and lm_head's copy of wte, V C, on the last."""
+    C, V = config.n_embd, config.vocab_size
+    return (b - a) * (12 * C * C + 13 * C) + first * (V + config.block_size) * C + last * (2 * C + V * C)
+
+def stage_bounds(config, n_stages, seq_len, budget=None, bf16=False):
+    """Each stage's (first block, end), balanced by compute (split_blocks); with a budget (--max_memory, bytes a rank),
+    the most balanced cut whose every stage's peak (its state and layouts.beyond_state, activations aside) fits in it,
+    where one does: the first and last stages, which hold the vocabulary's matrices, then take fewer blocks."""
+    from plumbing.layouts import beyond_state
+    def fits(s, a, b):
+        first, last = s == 0, s == n_stages - 1
+        params = stage_params(config, a, b, first, last)
+        return 16 * params + beyond_state(params, first + last, config, bf16) <= budget
+    cut = lambda fits: split_blocks(config.n_layer, n_stages, *stage_costs(config, seq_len), fits)  # noqa: E731
+    return (budget and cut(fits)) or cut(None)
 
 def cut_to_stage(gpt, index, n_stages, blocks):
     """gpt, in place, with what other stages hold removed: their blocks become Identity, so the parameters keep the
@@ -153,7 +172,7 @@ def stage_plan(config, bounds, batch, seq_len, n_microbatches, dp, shard="none",
     plan = []
     for s, (a, b) in enumerate(bounds):
         first, last = s == 0, s == pp - 1
-        params = (b - a) * (12 * C * C + 13 * C) + first * (V + config.block_size) * C + last * (2 * C + V * C)
+        params = stage_params(config, a, b, first, last)
         tied = (pp > 1 and (first or last)) * V * C * 4 / (dp if shard != "none" else 1)
         sent = (not last) * activation + (not first) * activation + tied
         sent += bytes_sent(params, params, dp, shard, n_microbatches, bf16, backend, gathers) if dp > 1 else 0
@@ -172,10 +191,13 @@ def plan_line(pipe, schedule):
              f"a step: bubble (N-1)/(M+N-1) = {(N - 1) / (M + N - 1):.1%}"]
     plan = stage_plan(pipe.config, pipe.bounds, pipe.batch, pipe.seq_len, M, pipe.dp, pipe.shard, pipe.bf16, pipe.backend)
     share = pipe.dp if pipe.shard != "none" else 1
+    from plumbing.layouts import beyond_state
     for s, (what, params, sent) in enumerate(plan):
         gathered = {"none": "", "full": f" (+ {4 * params / 2**30:.3f} GiB: its weights, gathered whole by a backward)",
                     "grads": f" (+ {4 * params / 2**30:.3f} GiB: its weights, gathered for the step)"}[pipe.shard]
+        peak = 16 * params / share + beyond_state(params / share, (s == 0) + (s == N - 1), pipe.config, pipe.bf16)
         lines.append(f"  stage {s}: {what}: {params / 1e6:.2f}M parameters, {16 * params / share / 2**30:.3f} GiB of "
-                     f"weights, gradients and AdamW state a rank{gathered}; each of its ranks sends {sent / 1e6:.1f} "
-                     f"MB a step")
+                     f"weights, gradients and AdamW state a rank{gathered}, ~{peak / 2**30:.2f} GiB at its peak (with "
+                     f"the process, temporaries{', bf16 copies' if pipe.bf16 else ''}); each of its ranks sends "
+                     f"{sent / 1e6:.1f} MB a step")
     return "\n".join(lines)

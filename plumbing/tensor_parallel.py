@@ -259,11 +259,13 @@ def rank_plan(config, tp, dp, batch, seq_len, n_microbatches, dtype):
 
 def plan_line(tp):
     """The layout, and per rank its parameters, the memory of its training state and the bytes it sends a step."""
+    from plumbing.layouts import beyond_state
     c = tp.config
     params, tp_bytes, dp_bytes = rank_plan(c, tp.tp, tp.dp, tp.batch, tp.seq_len, tp.n_microbatches, tp.dtype)
+    peak = 16 * params + beyond_state(params, 1, c, tp.dtype == "bf16")
     whole = c.n_layer * (12 * c.n_embd ** 2 + 13 * c.n_embd) + (c.vocab_size + c.block_size + 2) * c.n_embd
     return (f"tensor parallel: {tp.tp} ranks x {tp.dp} data-parallel replica(s): each block's attention split by heads "
             f"({c.n_head // tp.tp} of {c.n_head} a rank), its MLP by columns ({4 * c.n_embd // tp.tp} of {4 * c.n_embd}); "
             f"embeddings, LayerNorms, lm_head replicated\n  each rank: {params / 1e6:.2f}M of {whole / 1e6:.2f}M parameters, "
-            f"{16 * params / 2**30:.3f} GiB of weights, gradients and AdamW state; sends {(tp_bytes + dp_bytes) / 1e6:.1f} MB "
+            f"{16 * params / 2**30:.3f} GiB of weights, gradients and AdamW state, ~{peak / 2**30:.2f} GiB at its peak; sends {(tp_bytes + dp_bytes) / 1e6:.1f} MB "
             f"a step ({tp_bytes / 1e6:.1f} MB in tp's 4 all-reduces a block and micro-batch, {dp_bytes / 1e6:.1f} MB in dp's)")
