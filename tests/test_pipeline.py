@@ -152,6 +152,23 @@ def test_split_balances_compute():
     assert [b - a for a, b in bounds] in ([5, 6, 1], [6, 5, 1])
 
 
+def test_split_fits_max_memory():
+    """With a budget (--max_memory), the most balanced cut whose every stage's planned peak fits: GPT-2 large's shape on
+    3 stages in bf16 at 6 GiB moves blocks off the end stages (which hold the vocabulary's matrices) onto the middle
+    one; the planner (layouts.plan) plans that cut; a budget nothing fits keeps the cut for compute."""
+    from plumbing import layouts
+    config = train_gpt2.GPTConfig(block_size=1024, vocab_size=50304, n_layer=36, n_head=20, n_embd=1280)
+    balanced = stage_split.stage_bounds(config, 3, 64, None, True)
+    fitted = stage_split.stage_bounds(config, 3, 64, 6 * 2**30, True)
+    assert [b - a for a, b in balanced] == [13, 13, 10] and [b - a for a, b in fitted] == [11, 14, 11]
+    for s, (a, b) in enumerate(fitted):
+        params = stage_split.stage_params(config, a, b, s == 0, s == 2)
+        assert 16 * params + layouts.beyond_state(params, (s == 0) + (s == 2), config, True) <= 6 * 2**30
+    assert stage_split.stage_bounds(config, 3, 64, 2**30, True) == balanced
+    planned = lambda budget: layouts.plan(layouts.Layout("pp", "none", 3), config, 3, 1, 64, 3, True, budget).memory  # noqa: E731
+    assert planned(6 * 2**30) < 6 * 2**30 < planned(None)
+
+
 def test_bad_layouts_are_one_line(data, tmp_path):
     from train_args import build_parser, check_args
     def refused(world_size, *flags):
