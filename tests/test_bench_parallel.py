@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from conftest import REPO, clean_env
+from test_distributed import need
 
 pytestmark = pytest.mark.xdist_group("multiprocess")
 
@@ -28,8 +29,7 @@ def can_make_namespaces():
 
 
 def test_measured_bytes_are_the_computed_ones():
-    if not can_make_namespaces():
-        pytest.skip("bench_parallel.py needs root and iproute2 (ip, tc) to make network namespaces")
+    need(can_make_namespaces(), "making network namespaces for bench_parallel.py (root and iproute2: ip, tc)")
     bench = subprocess.Popen([sys.executable, "bench/bench_parallel.py", "--ranks", "2", "--layouts", "full,pp2",
                               "--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--seq_len", "32", "--tokens", "256",
                               "--steps", "1", "--rates", "1gbit"], cwd=REPO, stdout=subprocess.PIPE,
@@ -56,8 +56,7 @@ def test_ranks_sharing_a_hostname_are_a_node_to_parallel_auto():
     """4 ranks, 2 hostnames (--ranks_per_node 2: each rank its own namespace and UTS namespace): --parallel auto finds
     2 nodes of 2, times the link across them (a rank of each node with a rank of the other, both pairs at once), and
     offers tensor parallel over 2 ranks (a node's) but not over 4 (across the network)."""
-    if not can_make_namespaces():
-        pytest.skip("bench_parallel.py needs root and iproute2 (ip, tc) to make network namespaces")
+    need(can_make_namespaces(), "making network namespaces for bench_parallel.py (root and iproute2: ip, tc)")
     proc = subprocess.run([sys.executable, "bench/bench_parallel.py", "--ranks", "4", "--ranks_per_node", "2",
                            "--layouts", "grads", "--n_layer", "2", "--n_head", "4", "--n_embd", "32", "--seq_len", "32",
                            "--tokens", "256", "--steps", "1", "--rates", "1gbit", "--auto", "0.035"], cwd=REPO,

@@ -397,8 +397,7 @@ def test_three_hosts_over_network_namespaces_equal_one_process(data, single, tmp
     """mpirun -n 3 -ppn 1 over three hosts, as MPICH's hydra would start it: each rank in its own
     network namespace, with its own address, seeing one local rank; MASTER_ADDR is rank 0's address
     and gloo talks over the namespaces' bridge (GLOO_SOCKET_IFNAME)."""
-    if not can_create_namespaces():
-        pytest.skip("cannot create network namespaces here (needs root and iproute2)")
+    need(can_create_namespaces(), "creating network namespaces (root and iproute2)")
     log_dir = tmp_path / "log"
     with namespace_hosts(3) as (hosts, addresses):
         procs = []

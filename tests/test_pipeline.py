@@ -194,14 +194,17 @@ def test_pipeline_on_task_data_equals_one_process(tmp_path, ranks, flags):
     from test_finetune_train import task_run_args, uneven_task
     task = uneven_task(tmp_path)
     equal = ["--batch_size", "1", "--total_batch_size", "256", "--n_layer", "4"]
-    run_train(task_run_args(task, tmp_path / "single", *equal), env=clean_env(), timeout=LIMIT)
+    single = run_train(task_run_args(task, tmp_path / "single", *equal), env=clean_env(), timeout=LIMIT)
     proc = run_launched(task_run_args(task, tmp_path / "pp", *equal, "--pp", "2", *flags), torchrun(ranks), clean_env())
     assert "pipeline: 2 stages" in proc.stdout
     ref, got = read_log(tmp_path / "single", "train"), read_log(tmp_path / "pp", "train")
     assert sorted(got) == sorted(ref) == [0, 1, 2, 3]
     assert max(abs(ref[s] - got[s]) for s in ref) <= TOL, (ref, got)
-    assert all(abs(a - b) <= 1e-4 for a, b in zip(read_log(tmp_path / "single", "val").values(),
-                                                  read_log(tmp_path / "pp", "val").values()))
+    vals = read_log(tmp_path / "single", "val"), read_log(tmp_path / "pp", "val")
+    assert vals[0] and sorted(vals[0]) == sorted(vals[1]) and all(abs(vals[0][s] - vals[1][s]) <= 1e-4 for s in vals[0])
+    # a uniform scale error on the gradient would keep the losses close (AdamW and clipping hide it): the norms show it
+    norms, reference = printed_norms(proc.stdout), printed_norms(single.stdout)
+    assert len(norms) == 4 and max(abs(a - b) for a, b in zip(norms, reference)) <= 2e-4, (norms, reference)
     assert final_weights_diff(tmp_path / "single", tmp_path / "pp") <= TOL
 
 

@@ -119,12 +119,15 @@ def test_tensor_parallel_on_task_data_equals_one_process(tmp_path):
     from test_finetune_train import task_run_args, uneven_task
     task = uneven_task(tmp_path)
     equal = ["--batch_size", "1", "--total_batch_size", "256", *EAGER]
-    run_train(task_run_args(task, tmp_path / "single", *equal), env=clean_env(), timeout=LIMIT)
+    single = run_train(task_run_args(task, tmp_path / "single", *equal), env=clean_env(), timeout=LIMIT)
     proc = run_launched(task_run_args(task, tmp_path / "tp", *equal, "--tp", "2"), torchrun(4), clean_env())
     assert "tensor parallel: 2 ranks x 2 data-parallel replica(s)" in proc.stdout
     ref, got = read_log(tmp_path / "single", "train"), read_log(tmp_path / "tp", "train")
     assert sorted(got) == sorted(ref) == [0, 1, 2, 3]
     assert max(abs(ref[s] - got[s]) for s in ref) <= TOL, (ref, got)
+    # a uniform scale error on the gradient would keep the losses close (AdamW and clipping hide it): the norms show it
+    norms, reference = printed_norms(proc.stdout), printed_norms(single.stdout)
+    assert len(norms) == 4 and max(abs(a - b) for a, b in zip(norms, reference)) <= 2e-4, (norms, reference)
     assert final_weights_diff(tmp_path / "single", tmp_path / "tp") <= TOL
 
 
