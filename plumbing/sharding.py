@@ -23,7 +23,8 @@ def shard_model(model, ranks, bf16, keep_gathered=False):
         fully_shard(block, mp_policy=policy, reshard_after_forward=not keep_gathered)
     fully_shard(model, mp_policy=policy, reshard_after_forward=not keep_gathered)
     ranks.print0(f"shard: FSDP2, each rank holds 1/{ranks.world_size} of the " + (
-        "gradients and AdamW state; the weights are gathered once a step (ZeRO-2)" if keep_gathered else
+        "AdamW state; the weights are gathered once a step, the gradients accumulate whole until its last micro-step "
+        "and are then reduce-scattered (ZeRO-2)" if keep_gathered else
         "weights, gradients and AdamW state"))
 
 def precision(bf16):
