@@ -80,7 +80,8 @@ def test_pipeline_equals_one_process(data, single, pp2, pp2_full, tmp_path, rank
 def test_checkpoints_cross_layouts(data, single, pp2, tmp_path):
     """A pipeline's checkpoint is a .dcp folder each stage wrote its part of, in the whole model's names: it resumes on
     one process, and one process's .pt resumes on a pipeline, each continuing the uninterrupted run; sample.py reads it."""
-    assert sorted(os.listdir(pp2[0])) == ["args.json", "lock", "log.txt", "model_00003.dcp", "model_00006.dcp"]
+    assert sorted(os.listdir(pp2[0])) == ["args.json", "lock", "log.txt", "model_00003.dcp", "model_00006.dcp", "report.md",
+                                         "report.png"]
     to_one = stopped_after_step_3(pp2[0], tmp_path / "to_one")
     proc = run_train(["--resume", "--log_dir", to_one], env=clean_env(), timeout=LIMIT)
     assert "model_00003.dcp at step 3" in proc.stdout and "pipeline:" not in proc.stdout
