@@ -1,6 +1,6 @@
 """
-A model held in parts (a pipeline's stages, tensor parallel's shares): its checkpoints and its end-of-run check,
-without any rank ever holding more than its part.
+A model held in parts (a pipeline's stages, tensor parallel's shares): how a rank builds its part alone, writes and
+reads its checkpoints, and takes part in the end-of-run check, without ever holding more than its part.
 
 Checkpoints are torch.distributed.checkpoint (DCP) folders in the whole model's names: every rank writes the tensors
 it holds (a DTensor: its piece, with the piece's place in the whole tensor) and reads back the ones it holds now, so
