@@ -547,14 +547,12 @@ def prepare_training(run, ckpt, ckpt_file):
         ranks.print0(line)
     start_step = 0
     if ckpt is not None:
-        if ckpt["sharded_path"] and run.pipe is not None:  # a sharded run's .dcp: each stage reads its part
-            run.pipe.load_sharded(ckpt["sharded_path"], optimizer)
+        if run.pipe is not None:  # each stage or share reads its part: of a .dcp, or cut from a one-process .pt
+            run.pipe.load_sharded(parts.source(ckpt, run.pipe.whole_model()), optimizer)
         elif ckpt["sharded_path"]:  # any number of ranks, sharded or not: each reads what it holds
             checkpoints.load_sharded(ckpt["sharded_path"], model, optimizer)
         elif run.sharded:
             sharding.load_full_optimizer_state(model, optimizer, ckpt["optimizer"])
-        elif run.pipe is not None:
-            run.pipe.load_optimizer_state(optimizer, ckpt["optimizer"])
         else:
             optimizer.load_state_dict(ckpt["optimizer"])
         run.train_loader.load_state_dict(ckpt["loader"])
@@ -572,9 +570,10 @@ def prepare_training(run, ckpt, ckpt_file):
     # torch.compile fuses the training forward and backward into C++ kernels (bench/bench_train.py measures it).
     # Evaluation and sampling run the raw model eagerly: their shapes change, and each shape would recompile.
     compiled = False
-    if args.compile and run.pipe is None:
+    if args.compile:  # a pipeline's stage, tensor parallel's split model: compiled in place (their step runs them)
         keep_packed_attention_eager()
-        model, compiled = speedups.compile_if_possible(model, run.ipex, run.device_type, ranks.print0)
+        compile = lambda m: speedups.compile_if_possible(m, run.ipex, run.device_type, ranks.print0)  # noqa: E731
+        model, compiled = (model, run.pipe.compile(compile)) if run.pipe else compile(model)
     if ranks.world_size > 1:  # the same checkpoint on every rank: DDP copies rank 0's weights, but nothing else
         world.check_same_start(ranks, start_step)
     if ranks.world_size > 1 and not run.sharded and run.pipe is None:  # DDP averages the gradients during backward, bucket by bucket

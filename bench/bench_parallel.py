@@ -44,13 +44,15 @@ PREFIX = f"gpt2pb{os.getpid() % 100000}"  # every name this run creates starts w
 
 def layouts(n, n_head=12):
     """{name: trainer flags} for n ranks: DDP, FSDP (ZeRO-3, ZeRO-2), a pipeline of n stages, dp x pp for every other
-    split of n, and tensor parallel over n ranks (where n divides the heads)."""
+    split of n, tensor parallel over n ranks (where n divides the heads), and 2 stages of 2 tensor-parallel ranks."""
     out = {"ddp": ["--shard", "none"], "full": ["--shard", "full"], "grads": ["--shard", "grads"], f"pp{n}": ["--pp", n]}
     for pp in range(2, n):
         if n % pp == 0:
             out[f"dp{n // pp}xpp{pp}"] = ["--pp", pp]
     if n_head % n == 0:
         out[f"tp{n}"] = ["--tp", n]
+    if n % 4 == 0 and n_head % 2 == 0:  # tensor parallel inside pairs of ranks, a pipeline across them
+        out["pp2xtp2" if n == 4 else f"dp{n // 4}xpp2xtp2"] = ["--pp", 2, "--tp", 2]
     return out
 
 def bench_name(short, n):
@@ -147,12 +149,14 @@ def run_layout(net, flags, args, data_dir, log_dir, port):
     'dt': the median step time, 'peaks': GiB per rank, 'link_s'} or {'error': ...}."""
     import common
     n = len(net.hosts)
+    compiled = flags[-1:] == ["compiled"]  # (--compile ab's second run of a layout)
+    flags = flags[:-1] if compiled else flags
     cmd = [sys.executable, os.path.join(REPO, "train_gpt2.py"), "--data_dir", data_dir, "--log_dir", log_dir,
            "--n_layer", args.n_layer, "--n_head", args.n_head, "--n_embd", args.n_embd, "--block_size", max(args.seq_len, 1024),
            "--batch_size", 1, "--seq_len", args.seq_len, "--total_batch_size", args.tokens, "--max_steps", args.steps + 1,
            "--warmup_steps", 1, "--eval_interval", 0, "--sample_interval", 0, "--hellaswag_interval", 0,
            "--checkpoint_interval", 0, "--dtype", args.dtype, "--threads", args.threads, "--dist_timeout", 1800,
-           *([] if args.compile else ["--no-compile"]), *flags]
+           *([] if compiled or args.compile == "on" else ["--no-compile"]), *flags]
     procs, per_node = [], args.ranks_per_node
     try:
         for rank, ns in enumerate(net.hosts):
@@ -238,8 +242,8 @@ def main():
     p.add_argument("--steps", type=int, default=2, help="measured steps, after a first one")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--compile", action="store_true", help="torch.compile the step (default: eager; compiling a "
-                   "layout costs minutes here)")
+    p.add_argument("--compile", default="off", choices=["off", "on", "ab"], help="torch.compile the step (default: "
+                   "eager; compiling a layout costs minutes here); ab: each layout eager, then compiled (NAME+c)")
     p.add_argument("--auto", type=float, default=None, metavar="GIB", help="also run --parallel auto with --max_memory "
                    "GIB (below DDP's need) at each rate: its predicted step for every layout beside the measured, its choice")
     p.add_argument("--ranks_per_node", type=int, default=1, help="ranks given one hostname (a node, to --parallel "
@@ -256,6 +260,9 @@ def main():
     names = [s for s in args.layouts.split(",") if s] or list(known)
     if unknown := [s for s in names if s not in known]:
         raise SystemExit(f"error: --layouts {','.join(unknown)}: not a layout on {args.ranks} ranks ({', '.join(known)})")
+    if args.compile == "ab":  # side by side, in one run: each layout eager, then compiled
+        known.update({f"{name}+c": [*known[name], "compiled"] for name in names})
+        names = [n for name in names for n in (name, f"{name}+c")]
     if args.ranks_per_node < 1 or args.ranks % args.ranks_per_node:
         raise SystemExit(f"error: --ranks_per_node {args.ranks_per_node}: must divide --ranks {args.ranks}")
     rates = args.rates.split(",")

@@ -6,7 +6,7 @@ decided from the CPU: measured, predicted, and said in one line.
     --max_memory), data parallel (DDP), as always: nothing is measured but each rank's free memory.
   - Otherwise, for every layout that fits (FSDP, ZeRO-2, a pipeline, tensor parallel, either with data parallel),
     its step is predicted from what decides it: the compute (one block's forward and backward, timed on every rank at
-    once at the run's shape), the bytes each rank sends (computed, as the plan lines print them) over the link (timed
+    once at the run's shape, compiled where the run compiles), the bytes each rank sends (computed, as the plan lines print them) over the link (timed
     at the start: an all-reduce of 4 bytes for its latency, one of 32 MB for its bandwidth), and the pipeline's bubble.
     The fastest prediction wins; the line gives it, the runner-up, and the flag that forces another.
   - Layouts that talk inside every block (FSDP gathers each block's weights twice a micro-step, TP all-reduces its
@@ -27,17 +27,16 @@ from dataclasses import dataclass
 
 import torch
 
-from plumbing import cpu, sharding, stage_split, tensor_parallel
+from plumbing import cpu, sharding, speedups, stage_split, tensor_parallel, world
 
 FORCED = {"dp": ("none", 1), "fsdp": ("full", 1), "fsdp_grads": ("grads", 1)}  # --parallel NAME: (--shard, --pp)
 HEADROOM = 0.9  # a layout must fit in this share of the free memory: the rest is for what the estimate leaves out
 STATE_BYTES = 16  # per trained parameter: fp32 weight, gradient, AdamW's two moments
 
 def beyond_state(params, vocab_matrices, config, bf16):
-    """A rank's peak beyond its training state, as measured (peak RSS on an AMD EPYC Zen 4; fitted on GPT-2 large's
-    shape on 3 stages, fp32 and bf16): the process (torch, its libraries, the process group) 0.3 GiB; 2 bytes a
-    parameter (a backward's temporaries); 4 V C bytes for each vocabulary matrix held (the tied weight's gradients,
-    from the embedding and from the loss); in bf16, autocast's copy of every weight, 2 bytes a parameter."""
+    """A rank's peak beyond its training state, as measured (peak RSS, AMD EPYC Zen 4, GPT-2 large on 3 stages, fp32
+    and bf16): the process 0.3 GiB; 2 bytes a parameter (a backward's temporaries); 4 V C bytes for each vocabulary
+    matrix held (the tied weight's gradients, from the embedding and the loss); in bf16, autocast's weight copies."""
     return 0.3 * 2**30 + (2 + 2 * bf16) * params + vocab_matrices * 4 * config.vocab_size * config.n_embd
 
 @dataclass
@@ -220,8 +219,9 @@ def measure_network(ranks, nodes):
     across, _ = torch.distributed.new_subgroups_by_enumeration([list(i) for i in zip(*nodes)])
     return measure_link(ranks, group=across)
 
-def time_block(make_block, rows, seq_len, n_embd, autocast, ranks, turns=5, layout=None, bf16=False):
-    """Seconds of one block's forward and backward at the run's micro-batch, eager, timed on every rank at once (ranks
+def time_block(make_block, rows, seq_len, n_embd, autocast, ranks, turns=5, layout=None, bf16=False, compiled=False):
+    """Seconds of one block's forward and backward at the run's micro-batch, compiled as the run will be (compiled:
+    torch.compile, its first turn compiling), timed on every rank at once (ranks
     that share a node's cores slow each other down in training too): after a turn of warm-up, the median turn's
     slowest rank, a turn running the block enough times to last 0.5 s (3 turns where one pass lasts 2 s or more).
     Not each rank's best turn: with more ranks than cores, each rank's best is a turn in which it happened to run
@@ -235,9 +235,8 @@ def time_block(make_block, rows, seq_len, n_embd, autocast, ranks, turns=5, layo
         fully_shard(block, mp_policy=sharding.precision(bf16), reshard_after_forward=True)
         block.set_requires_gradient_sync(False)
     elif layout is not None and layout.tp > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh("cpu", (ranks.world_size // layout.tp, layout.tp), mesh_dim_names=("dp", "tp"))
-        tensor_parallel.split_block(block, mesh["tp"], layout.tp)
+        tensor_parallel.split_block(block, world.mesh_of(ranks.world_size, 1, layout.tp, "cpu")["tp"], layout.tp)
+    block = speedups.compile_model(block) if compiled else block
     x = torch.randn(rows, seq_len, n_embd, requires_grad=True)
     def turn(passes):
         torch.distributed.barrier()
@@ -325,8 +324,9 @@ def decide(args, config, ranks, bf16, autocast, make_block):
     layouts = [planned(l) for l in candidates(config, W, lambda pp: pp <= config.n_layer and micro(W // pp) >= pp,
                                               tp=hasattr(args, "tp"), hostnames=hostnames)]
     link = measure_network(ranks, nodes)
+    compiled = speedups.will_compile(getattr(args, "compile", False), "cpu")
     timed = lambda layout=None: time_block(make_block, args.batch_size, args.seq_len, config.n_embd, autocast, ranks,  # noqa: E731
-                                           layout=layout, bf16=bf16)
+                                           layout=layout, bf16=bf16, compiled=compiled)
     block_seconds = timed()
     for layout in layouts:
         if (layout.name == "fsdp" or layout.tp > 1) and layout.memory <= HEADROOM * free:

@@ -15,21 +15,24 @@ in place.
 """
 import hashlib
 
+import torch
 import torch.distributed as dist
 
 def build_part(make, args, ranks, init_weights, bf16):
-    """make()'s model, as this rank holds it under --pp (its stage) or --tp (its share of every block), built alone:
+    """make()'s model, as this rank holds it under --pp (its stage) and --tp (its share of every block), built alone:
     on the meta device, cut or split, then given memory for its part only, and filled with exactly the weights one
     process gets for the same seed (sharding.build_in_pieces), or left for a checkpoint's or pretrained weights."""
-    from plumbing import pipeline, sharding, stage_split, tensor_parallel
+    from plumbing import pipeline, sharding, stage_split, tensor_parallel, world
     def allocate(model):
         if args.pp > 1:  # (cut as pipeline.Pipeline cuts it)
-            index = ranks.rank % args.pp
+            index = (ranks.rank // args.tp) % args.pp
             bounds = stage_split.stage_bounds(model.config, args.pp, args.seq_len, pipeline.memory_budget(args), bf16)
-            stage_split.cut_to_stage(model, index, args.pp, bounds[index]).to_empty(device="cpu")
-        else:
-            mesh = tensor_parallel.mesh_of(ranks.world_size, args.tp, ranks.device.split(":")[0])
+            stage_split.cut_to_stage(model, index, args.pp, bounds[index])
+        if args.tp > 1:  # (what is left of it split, as tensor_parallel.TensorParallel splits it)
+            mesh = world.mesh_of(ranks.world_size, args.pp, args.tp, ranks.device.split(":")[0])
             tensor_parallel.split_model(model, mesh["tp"], args.tp)
+        else:
+            model.to_empty(device="cpu")
     return sharding.build_in_pieces(make, allocate, init_weights)
 
 def model_line(config, held, args):
@@ -37,7 +40,7 @@ def model_line(config, held, args):
     from plumbing import layouts
     if args.pp * args.tp == 1:
         return f"model: {held / 1e6:.2f}M parameters, {config}"
-    part = "stage" if args.pp > 1 else "share"
+    part = {(True, False): "stage", (False, True): "share"}.get((args.pp > 1, args.tp > 1), "share of its stage")
     return f"model: {layouts.parameters(config)[0] / 1e6:.2f}M parameters (rank 0 holds {held / 1e6:.2f}M: its {part}), {config}"
 
 def one_process_groups(names, groups):
@@ -65,13 +68,51 @@ def as_pieces(t, n_embd, tp, group):
               for p, block in enumerate(local.split(share))]
     return init_from_local_shards(pieces, list(t.shape), process_group=group)
 
-def load(path, state, into):
-    """Read a checkpoint's tensors for this rank's part: state (what DCP fills, in place, in the whole model's names),
-    then into(state) puts them where they go. The optimizer's param_groups stay this rank's (only the moments are read)."""
+def load(source, state, into):
+    """Read a checkpoint's tensors for this rank's part: state (what is filled, in place, in the whole model's names),
+    then into(state) puts them where they go. source: a .dcp folder (DCP reads just this rank's pieces), or a
+    one-process checkpoint's state by name (by_name: each tensor's piece cut from the whole, as DCP would). The
+    optimizer's param_groups stay this rank's (only the moments are read)."""
     import torch.distributed.checkpoint as dcp
     state = {"model": state["model"], "optimizer": {"state": state["optimizer"]["state"]}}
-    dcp.load(state, checkpoint_id=path)
+    if isinstance(source, str):
+        dcp.load(state, checkpoint_id=source)
+    else:
+        fill(state, source)
     into(state)
+
+def source(ckpt, whole_model):
+    """What load() reads a checkpoint's part from: its .dcp folder, or its one-process state by name (whole_model: the
+    whole model on the meta device, for its names)."""
+    return ckpt["sharded_path"] or by_name(ckpt["model"], ckpt["optimizer"], trained_names(whole_model))
+
+def by_name(model, optimizer, names):
+    """A one-process checkpoint's model and AdamW state_dicts as DCP names them: AdamW numbers its parameters as
+    GPT.configure_optimizer lists them (names: [(name, is a matrix)], parts.trained_names), matrices first."""
+    numbered = [n for matrices in (True, False) for n, m in names if m == matrices]
+    return {"model": model, "optimizer": {
+        "state": {numbered[i]: s for i, s in optimizer["state"].items()},
+        "param_groups": [{**g, "params": [numbered[i] for i in g["params"]]} for g in optimizer["param_groups"]]}}
+
+@torch.no_grad()
+def fill(state, whole):
+    """Each tensor of state (nested dicts, in the whole model's names) given its piece of the same name in whole: a
+    plain tensor all of it; a DTensor (FSDP's, tensor parallel's) its local shard; a ShardedTensor (as_pieces) each of
+    its pieces, by their places."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    cut = lambda t, offsets, sizes: t[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]  # noqa: E731
+    for key, value in state.items():
+        if isinstance(value, dict):
+            fill(value, whole[key])
+        elif isinstance(value, DTensor):
+            sizes, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+            value.to_local().copy_(cut(whole[key], offsets, sizes))
+        elif hasattr(value, "local_shards"):
+            for piece in value.local_shards():
+                piece.tensor.copy_(cut(whole[key], piece.metadata.shard_offsets, piece.metadata.shard_sizes))
+        elif torch.is_tensor(value):
+            value.copy_(whole[key])
 
 def digest(tensors):
     """sha256 of this rank's tensors (its pieces of split ones), in sorted name order."""

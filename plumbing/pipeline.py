@@ -52,14 +52,6 @@ def shard_stage(stage, mesh, shard, bf16):
         fully_shard(stage.gpt.transformer.h[i], mesh=mesh, mp_policy=policy, reshard_after_forward=shard == "full")
     fully_shard(stage, mesh=mesh, mp_policy=policy, reshard_after_forward=shard == "full")
 
-def piece(value, param):
-    """A moment of AdamW's state, whole, as param holds it: sharded, this rank's piece (no traffic: every rank has the
-    whole value); else as it is."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-    if isinstance(param, DTensor) and torch.is_tensor(value) and value.shape == param.shape:
-        return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
-    return value
-
 # -----------------------------------------------------------------------------
 # The pipeline: this rank's stage, its groups, its schedule
 
@@ -68,27 +60,35 @@ class Pipeline:
     schedule. step() runs one optimizer step's forward and backward; calling it evaluates a batch."""
 
     def __init__(self, model, args, ranks, n_microbatches, print0, dtype="fp32"):
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-        self.pp, self.dp = args.pp, ranks.world_size // args.pp
-        self.index, self.replica, self.config = ranks.rank % self.pp, ranks.rank // self.pp, model.config
-        device_type = ranks.device.split(":")[0]
-        mesh = init_device_mesh(device_type, (self.dp, self.pp), mesh_dim_names=("dp", "pp"))
-        self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
-        self.first_rank, self.last_rank = self.replica * self.pp, self.replica * self.pp + self.pp - 1
-        # the tied weight's two copies: one group per replica, its first and last stage (every rank makes every group)
-        tied = [dist.new_group([d * self.pp, d * self.pp + self.pp - 1]) for d in range(self.dp)]
-        self.tied_group = tied[self.replica]
+        from plumbing import tensor_parallel, world
+        self.pp, self.tp = args.pp, getattr(args, "tp", 1)  # (a test's arguments may name only --pp)
+        self.dp = ranks.world_size // (self.pp * self.tp)
+        self.index, self.replica = (ranks.rank // self.tp) % self.pp, ranks.rank // (self.pp * self.tp)
+        self.config, device_type = model.config, ranks.device.split(":")[0]
+        mesh = world.mesh_of(ranks.world_size, self.pp, self.tp, device_type)
+        self.pp_group, self.dp_group, self.tp_group = (mesh.get_group(d) for d in ("pp", "dp", "tp"))
+        # global ranks: this rank's stage 0 and stage s (the same tensor-parallel rank t of the same replica d)
+        rank_of = lambda d, s, t: (d * self.pp + s) * self.tp + t  # noqa: E731
+        self.rank_of_stage = lambda s: rank_of(self.replica, s, ranks.rank % self.tp)  # noqa: E731
+        self.first_rank, self.last_rank = self.rank_of_stage(0), self.rank_of_stage(self.pp - 1)
+        # the tied weight's two copies: a group for each replica and tensor-parallel rank, its first and last stage
+        # (every rank makes every group)
+        tied = {(d, t): dist.new_group([rank_of(d, 0, t), rank_of(d, self.pp - 1, t)])
+                for d in range(self.dp) for t in range(self.tp)}
+        self.tied_group = tied[self.replica, ranks.rank % self.tp]
         self.bounds = stage_bounds(model.config, self.pp, args.seq_len, memory_budget(args), dtype == "bf16")
         self.stage = Stage(model, self.index, self.pp, self.bounds[self.index], dtype, device_type)
+        if self.tp > 1:  # --tp: the stage's blocks split across the tensor-parallel ranks (built split in a run)
+            tensor_parallel.split_built(self.stage.gpt, mesh["tp"], self.tp)
         self.first, self.last = self.stage.first, self.stage.last
         self.shard = args.shard if self.dp > 1 else "none"  # (one replica: nothing to split)
         self.bf16, self.backend = dtype == "bf16", dist.get_backend()
         trained = self.stage
         if self.shard != "none":  # (sharded in place: the optimizer made after this holds the pieces)
             shard_stage(self.stage, mesh["dp"], self.shard, self.bf16)
-        elif self.dp > 1:  # each stage's replicas average its gradients (the schedule asks for it at the last micro-batch)
-            from torch.nn.parallel import DistributedDataParallel as DDP
+        elif self.dp > 1 and self.tp == 1:  # each stage's replicas average its gradients (the schedule asks for it at
+            from torch.nn.parallel import DistributedDataParallel as DDP  # the last micro-batch; --tp: step() does)
             trained = DDP(self.stage, process_group=self.dp_group)
         # the shapes that travel, given (static mode): else the schedule would infer them by running a first
         # micro-batch through a copy of the loss with its target as a tensor, which ours (Target) is not
@@ -129,9 +129,19 @@ class Pipeline:
         with self.stage.autocast():
             self.schedule._step_microbatches(args, kwargs, targets, losses)
         self.sum_tied_gradients()
+        if self.tp > 1:  # (DDP does it for a stage not split)
+            from plumbing.tensor_parallel import average_replicas
+            average_replicas(self.stage.parameters(), self.dp_group, self.dp)
         loss = torch.stack(losses).sum().detach() if self.last else torch.zeros(())
-        dist.all_reduce(loss)  # the last stage of each replica holds its mean: the mean of the replicas' means
-        return loss / self.dp, self.clip(max_norm)
+        dist.all_reduce(loss)  # the last stage of each replica (its tp ranks alike) holds its mean: the replicas' mean
+        return loss / (self.dp * self.tp), self.clip(max_norm)
+
+    def compile(self, compile):
+        """The stage's forward (its blocks, and the last stage's loss) compiled for training, as one process compiles
+        the GPT's: compile(function) -> (compiled function, whether it compiled). Evaluation runs it eagerly (its
+        no-grad forward would compile again)."""
+        self.stage.compiled, compiled = compile(self.stage.run)
+        return compiled
 
     def sum_tied_gradients(self):
         """wte (first stage) and lm_head (last stage) are one weight in the model: its gradient is the sum of the two
@@ -144,16 +154,15 @@ class Pipeline:
 
     def clip(self, max_norm):
         """torch.nn.utils.clip_grad_norm_ over the whole model: the global norm sums every stage's squares, counting the
-        tied weight once (the first stage's copy); every stage scales its gradients by the same factor. Sharded, each
-        rank squares its pieces and the sum runs over every rank (replicas hold different pieces, not copies)."""
+        tied weight once (the first stage's copy), and a split block's once (tensor_parallel.squares); every stage
+        scales its gradients by the same factor. Sharded, each rank squares its pieces and the sum runs over every rank
+        (replicas hold different pieces, not copies)."""
+        from plumbing import tensor_parallel
         grads = [local(p.grad) for p in self.stage.parameters() if p.grad is not None]
-        counted = [local(p.grad) for n, p in self.stage.named_parameters()
-                   if p.grad is not None and not (n == "gpt.lm_head.weight" and not self.first)]
-        squares = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in counted]).sum()
+        counted = lambda n: not (n == "gpt.lm_head.weight" and not self.first)  # noqa: E731
+        squares = tensor_parallel.squares(self.stage.named_parameters(), self.tp_group, counted)
         dist.all_reduce(squares, group=self.pp_group if self.shard == "none" else None)
-        norm = squares.sqrt()
-        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
-        return norm
+        return tensor_parallel.clip(grads, squares, max_norm)
 
     @torch.no_grad()
     def __call__(self, x, y, packed=None):
@@ -164,10 +173,10 @@ class Pipeline:
             h = self.stage(x, side)
         else:
             h = torch.empty(x.size(0), x.size(1), self.config.n_embd, device=x.device)
-            dist.recv(h, src=self.first_rank + self.index - 1)
+            dist.recv(h, src=self.rank_of_stage(self.index - 1))
             h = self.stage(h, side)
         if not self.last:
-            dist.send(h.float().contiguous(), dst=self.first_rank + self.index + 1)
+            dist.send(h.float().contiguous(), dst=self.rank_of_stage(self.index + 1))
             loss = torch.zeros((), device=x.device)
         else:
             loss = h.detach()
@@ -177,12 +186,6 @@ class Pipeline:
     # -------------------------------------------------------------------------
     # Checkpoints: each rank writes and reads its stage's part, in the whole model's names (plumbing/parts.py)
 
-    def optimizer_names(self, gpt):
-        """gpt's trained parameters' names in configure_optimizer's order (decayed matrices first), lm_head's copy
-        named as the one parameter of the whole model: transformer.wte.weight."""
-        return [n.replace("lm_head.weight", "transformer.wte.weight") for decay in (True, False)
-                for n, p in gpt.named_parameters() if p.requires_grad and (p.dim() >= 2) == decay]
-
     def whole_model(self):
         """The whole model on the meta device (shapes, no storage): its names, as one process has them."""
         import lora
@@ -190,13 +193,11 @@ class Pipeline:
             gpt = type(self.stage.gpt)(self.config)
             return lora.add_adapters(gpt, *self.lora, init=False) if self.lora else gpt
 
-    def whole_names(self):
-        return self.optimizer_names(self.whole_model())
-
-    def state(self, optimizer):
+    def state(self, optimizer, pieces=True):
         """This stage's weights and AdamW state as DCP writes and reads them: the whole model's names, the tied weight
-        under both of its names on both its stages (written once: they hold it alike), its moments under wte's."""
-        from plumbing import checkpoints, parts
+        under both of its names on both its stages (written once: they hold it alike), its moments under wte's; split
+        (--tp), c_attn's rows as their blocks of the whole (tensor_parallel.as_pieces), unless not pieces."""
+        from plumbing import checkpoints, parts, tensor_parallel
         state = checkpoints.state_of(self.stage.gpt, optimizer)
         model, moments = state["model"], state["optimizer"]["state"]
         for mine, other in (("transformer.wte.weight", "lm_head.weight"), ("lm_head.weight", "transformer.wte.weight")):
@@ -206,38 +207,24 @@ class Pipeline:
             moments["transformer.wte.weight"] = moments.pop("lm_head.weight")
         state["optimizer"]["param_groups"] = parts.one_process_groups(parts.trained_names(self.whole_model()),
                                                                       optimizer.param_groups)
-        return state
+        return tensor_parallel.as_pieces(state, self.config.n_embd, self.tp, self.tp_group) if pieces and self.tp > 1 else state
 
-    def load_sharded(self, path, optimizer):
-        """A .dcp checkpoint (of any layout) into this stage and its AdamW: DCP reads just this stage's tensors."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-        from plumbing import parts
-        def into(state):
-            moments = dict(state["optimizer"]["state"])
+    def load_sharded(self, source, optimizer):
+        """A checkpoint of any layout into this stage and its AdamW: a .dcp folder (DCP reads just this stage's
+        tensors), or a one-process checkpoint by name (parts.by_name: each tensor's part cut from the whole)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_state_dict
+        from plumbing import parts, tensor_parallel
+        plain = self.state(optimizer, pieces=False)
+        def into(_):  # (what was read went into plain's tensors, in place: the pieces are views of them)
+            moments = dict(plain["optimizer"]["state"])
             if self.last and "transformer.wte.weight" in moments:
                 moments["lm_head.weight"] = moments.pop("transformer.wte.weight")
-            model = {k: v for k, v in state["model"].items() if k in self.stage.gpt.state_dict()}
+            model = {k: v for k, v in plain["model"].items() if k in self.stage.gpt.state_dict()}
+            groups = get_optimizer_state_dict(self.stage.gpt, optimizer)["param_groups"]
             set_state_dict(self.stage.gpt, optimizer, model_state_dict=model,
-                           optim_state_dict={"state": moments, "param_groups": self.own_groups(optimizer)})
-        parts.load(path, self.state(optimizer), into)
-
-    def own_groups(self, optimizer):
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-        return get_optimizer_state_dict(self.stage.gpt, optimizer)["param_groups"]
-
-    def load_optimizer_state(self, optimizer, full):
-        """A one-process checkpoint's AdamW state (full) into this stage's optimizer: its own parameters' part."""
-        whole = {n: i for i, n in enumerate(self.whole_names())}
-        mine = self.optimizer_names(self.stage.gpt)
-        ours = optimizer.state_dict()["param_groups"]
-        groups = []
-        for group, full_group in zip(ours, full["param_groups"]):
-            groups.append({**{k: v for k, v in full_group.items() if k != "params"}, "params": group["params"]})
-        params = [p for decay in (True, False) for p in self.stage.gpt.parameters()  # (in mine's order)
-                  if p.requires_grad and (p.dim() >= 2) == decay]
-        state = {i: {k: piece(v, params[i]) for k, v in full["state"][whole[n]].items()}
-                 for i, n in enumerate(mine) if whole[n] in full["state"]}
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
+                           optim_state_dict={"state": moments, "param_groups": groups})
+        split = tensor_parallel.as_pieces(plain, self.config.n_embd, self.tp, self.tp_group) if self.tp > 1 else plain
+        parts.load(source, split, into)
 
     def check_same_weights(self, ranks):
         """The end-of-run check (world.check_same_weights), for a model in stages, by digests (plumbing/parts.py): the
@@ -248,5 +235,6 @@ class Pipeline:
             tied["the tied weight (wte, lm_head)"] = parts.digest({"w": whole(
                 (gpt.transformer.wte if self.first else gpt.lm_head).weight)})  # (sharded: gathered, this one tensor)
         # sharded stages: each of a stage's ranks holds its own pieces (nothing to compare); else whole copies
-        replica, position = (0, (self.index, self.replica)) if self.shard != "none" else (self.replica, self.index)
+        tp_rank = dist.get_rank(self.tp_group)
+        replica, position = (0, (self.index, self.replica)) if self.shard != "none" else (self.replica, (self.index, tp_rank))
         parts.check_same_parts(ranks, self.stage.state_dict(), replica, position, tied)

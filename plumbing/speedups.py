@@ -143,6 +143,9 @@ def compile_model(model, memory_budget=None):
     compile_cache_dir()
     import torch._functorch.config
     torch._functorch.config.activation_memory_budget = memory_budget or ACTIVATION_MEMORY_BUDGET
+    # a tensor-parallel graph holds its process group (a script object, for DTensor's collectives), which the
+    # partitioner that picks what backward recomputes cannot size: it holds no activations, so zero is its size
+    torch._functorch.config.unsafe_treat_script_objects_as_zero_size = True
     return torch.compile(model)
 
 def will_compile(flag, device_type):

@@ -66,11 +66,12 @@ def split_blocks(n_layer, n_stages, block_cost, head_cost, fits=None):
         b = cut[s][b]
     return bounds[::-1]
 
-def stage_params(config, a, b, first, last):
-    """A stage's parameters: a block's 12 C^2 + 13 C each, the embeddings' (V + block_size) C on the first stage, ln_f's
-    2 C and lm_head's copy of wte, V C, on the last."""
+def stage_params(config, a, b, first, last, tp=1):
+    """A stage's parameters a rank holds: a block's 12 C^2 + 13 C each (split over --tp's ranks but for 6 C:
+    tensor_parallel.rank_plan), the embeddings' (V + block_size) C on the first stage, ln_f's 2 C and lm_head's copy
+    of wte, V C, on the last."""
     C, V = config.n_embd, config.vocab_size
-    return (b - a) * (12 * C * C + 13 * C) + first * (V + config.block_size) * C + last * (2 * C + V * C)
+    return (b - a) * ((12 * C * C + 7 * C) / tp + 6 * C) + first * (V + config.block_size) * C + last * (2 * C + V * C)
 
 def stage_bounds(config, n_stages, seq_len, budget=None, bf16=False):
     """Each stage's (first block, end), balanced by compute (split_blocks); with a budget (--max_memory, bytes a rank),
@@ -110,8 +111,14 @@ class Stage(nn.Module):
         self.autocast = lambda: speedups.autocast(dtype, device_type)
         self.first, self.last, self.blocks = index == 0, index == n_stages - 1, range(*blocks)
         self.gpt = cut_to_stage(gpt, index, n_stages, blocks)
+        self.compiled = None  # run(), compiled (pipeline.Pipeline.compile): for training; evaluation runs it eagerly
 
     def forward(self, x, side=None):
+        if self.compiled is not None and torch.is_grad_enabled():
+            return self.compiled(x, side)
+        return self.run(x, side)
+
+    def run(self, x, side=None):
         with self.autocast():
             h = self.layers(x, side.packed if side is not None else None)
             return self.loss(h, side.target) if self.last and side is not None and side.target else h
@@ -155,7 +162,7 @@ class Target:
 # -----------------------------------------------------------------------------
 # What each stage holds and sends, computed
 
-def stage_plan(config, bounds, batch, seq_len, n_microbatches, dp, shard="none", bf16=False, backend="gloo"):
+def stage_plan(config, bounds, batch, seq_len, n_microbatches, dp, shard="none", bf16=False, backend="gloo", tp=1):
     """[(what it holds, its parameters, bytes each of its ranks sends a step)] per stage. Parameters: a block's
     12 C^2 + 13 C, the embeddings' (V + block_size) C on the first stage, ln_f's 2 C and lm_head's copy of wte, V C, on
     the last. Sent: an fp32 activation (B, T, C) a micro-batch to the next stage, its gradient to the one before; the
@@ -164,7 +171,8 @@ def stage_plan(config, bounds, batch, seq_len, n_microbatches, dp, shard="none",
     or FSDP's gathers and reduce-scatter. Under the schedule, --shard full gathers a unit's weights M + 1 times a step,
     not 2 M: the pipeline keeps a unit gathered after each backward (torch's PipelineStage), so of the forwards only
     those after another forward gather, and of the backwards only those after a forward: for 1F1B and GPipe alike,
-    every forward and then the first backward."""
+    every forward and then the first backward. Split (--tp), each rank also sends its blocks' tensor-parallel
+    all-reduces (tensor_parallel.rank_plan)."""
     from plumbing.sharding import bytes_sent
     C, V, pp = config.n_embd, config.vocab_size, len(bounds)
     activation = batch * seq_len * C * 4 * n_microbatches
@@ -172,9 +180,10 @@ def stage_plan(config, bounds, batch, seq_len, n_microbatches, dp, shard="none",
     plan = []
     for s, (a, b) in enumerate(bounds):
         first, last = s == 0, s == pp - 1
-        params = stage_params(config, a, b, first, last)
+        params = stage_params(config, a, b, first, last, tp)
         tied = (pp > 1 and (first or last)) * V * C * 4 / (dp if shard != "none" else 1)
         sent = (not last) * activation + (not first) * activation + tied
+        sent += n_microbatches * (b - a) * 2 * 2 * (tp - 1) / tp * batch * seq_len * C * ((2 if bf16 else 4) + 4)
         sent += bytes_sent(params, params, dp, shard, n_microbatches, bf16, backend, gathers) if dp > 1 else 0
         what = ("embeddings + " if first else "") + f"blocks {a}-{b - 1}" + (" + ln_f, lm_head" if last else "")
         plan.append((what, params, sent))
@@ -187,9 +196,11 @@ def plan_line(pipe, schedule):
     (full: the schedule keeps them, see stage_plan), so that a backward brings all of the stage's weights back whole."""
     M, N = pipe.n_microbatches, pipe.pp
     how = f", each stage sharded over its replicas (--shard {pipe.shard})" if pipe.shard != "none" else ""
+    how += f", each stage's blocks split over {pipe.tp} tensor-parallel ranks" if pipe.tp > 1 else ""
     lines = [f"pipeline: {N} stages x {pipe.dp} data-parallel replica(s){how}, schedule {schedule}, {M} micro-batches "
              f"a step: bubble (N-1)/(M+N-1) = {(N - 1) / (M + N - 1):.1%}"]
-    plan = stage_plan(pipe.config, pipe.bounds, pipe.batch, pipe.seq_len, M, pipe.dp, pipe.shard, pipe.bf16, pipe.backend)
+    plan = stage_plan(pipe.config, pipe.bounds, pipe.batch, pipe.seq_len, M, pipe.dp, pipe.shard, pipe.bf16, pipe.backend,
+                      pipe.tp)
     share = pipe.dp if pipe.shard != "none" else 1
     from plumbing.layouts import beyond_state
     for s, (what, params, sent) in enumerate(plan):

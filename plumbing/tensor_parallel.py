@@ -16,8 +16,6 @@ One device mesh, (dp, tp): rank r is tensor-parallel rank r % tp of data-paralle
 read the same micro-batches; the replicas average their gradients, as DDP does, once a step. Checkpoints stay in the
 one-process (Hugging Face) layout: any layout, sample.py and export_hf.py read them.
 """
-import functools
-
 import torch
 import torch.distributed as dist
 
@@ -25,14 +23,15 @@ import torch.distributed as dist
 # Layouts refused with one line, before anything expensive
 
 def check_layout(args, world_size):
-    """One error line for a --tp that cannot run. Returns the world size left for the other degrees (world / tp)."""
+    """One error line for a --tp that cannot run. Returns the world size left for the other degrees (world / tp): a
+    pipeline's stages (--pp) and the data-parallel replicas."""
     tp = args.tp
     if tp < 1 or world_size % tp:
         raise SystemExit(f"error: --tp {tp}: the world size {world_size} is not a multiple of it "
                          f"(world = data-parallel replicas x pipeline stages x tensor-parallel ranks)")
-    if tp > 1 and (args.pp > 1 or args.shard != "none" or args.lora):
-        flag = "--pp" if args.pp > 1 else "--shard" if args.shard != "none" else "--lora"
-        raise SystemExit(f"error: --tp {tp} with {flag}: not yet combined (--tp runs with --pp 1, --shard none, no --lora)")
+    if tp > 1 and (args.shard != "none" or args.lora):
+        flag = "--shard" if args.shard != "none" else "--lora"
+        raise SystemExit(f"error: --tp {tp} with {flag}: not yet combined (--tp runs with --shard none, no --lora)")
     if tp > 1 and args.init_from == "scratch" and not args.resume:
         check_divides(tp, args.n_head, args.n_embd)
     return world_size // tp
@@ -68,26 +67,82 @@ def split_block(block, mesh, tp):
                                      "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()})
     block.attn.n_head, block.attn.n_embd = block.attn.n_head // tp, block.attn.n_embd // tp  # its view of q, k, v
 
+def blocks_of(model):
+    """The blocks this rank holds (a pipeline's stage keeps the others' as Identity)."""
+    return [b for b in model.transformer.h if hasattr(b, "attn")]
+
 def split_model(model, mesh, tp):
     """Every block of model split over the mesh's tp ranks, in place, on the meta device (shapes, no storage: a rank
     builds only its share), then given memory. c_attn's weight and bias learn to take a whole tensor's rows in the
     ranks' order (from_whole: sharding.copy_weight asks it, for the initial weights as for a checkpoint's)."""
-    for block in model.transformer.h:
+    for block in blocks_of(model):
         split_block(block, mesh, tp)
     model.to_empty(device="cpu")
-    for block in model.transformer.h:
+    for block in blocks_of(model):
         for p in (block.attn.c_attn.weight, block.attn.c_attn.bias):
             p.from_whole = lambda full, C=model.config.n_embd: to_rank_order(full, C, tp)
 
-@functools.cache
-def mesh_of(world_size, tp, device_type):
-    """The (dp, tp) device mesh: rank r is tensor-parallel rank r % tp of replica r // tp. Made once a process (every
-    rank makes it together), for the build and then for the step."""
-    from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh(device_type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+@torch.no_grad()
+def split_built(model, mesh, tp):
+    """A model built whole (as a test builds it; a run builds it split: split_model), split in place: c_attn's rows put
+    in the ranks' order, then each block split. A model already split is left as it is."""
+    blocks = blocks_of(model)
+    if not blocks or hasattr(blocks[0].attn.c_attn.weight, "placements"):
+        return
+    for block in blocks:
+        attn = block.attn
+        attn.c_attn.weight.copy_(to_rank_order(attn.c_attn.weight, model.config.n_embd, tp))
+        attn.c_attn.bias.copy_(to_rank_order(attn.c_attn.bias, model.config.n_embd, tp))
+        split_block(block, mesh, tp)
 
 def local(t):
     return t.to_local() if hasattr(t, "to_local") else t
+
+# -----------------------------------------------------------------------------
+# What a split model's step does beyond one process's (pipeline.Pipeline's stages do it too, split: --pp with --tp)
+
+def average_replicas(params, dp_group, dp):
+    """What DDP does, once a step: every replica's gradients averaged (each rank: its own share), in one all-reduce."""
+    grads = [local(p.grad) for p in params if p.grad is not None]
+    if dp == 1 or not grads:
+        return
+    flat = torch.cat([g.flatten() for g in grads])  # one message for the whole share
+    dist.all_reduce(flat, group=dp_group)
+    flat /= dp
+    for g, avg in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(avg)
+
+def squares(named, tp_group, counted=lambda name: True):
+    """The squared norm of this rank's part of the gradients, split ones summed over the tensor-parallel ranks (each
+    holds its share), replicated ones (every rank of the group holds all of each) counted once. named: parameters,
+    or (name, parameter) pairs filtered by counted(name)."""
+    split, whole = [torch.zeros(())], [torch.zeros(())]
+    for item in named:
+        name, p = item if isinstance(item, tuple) else ("", item)
+        if p.grad is not None and counted(name):
+            sharded = hasattr(p.grad, "placements") and any(pl.is_shard() for pl in p.grad.placements)
+            (split if sharded else whole).append(torch.linalg.vector_norm(local(p.grad), dtype=torch.float32) ** 2)
+    split = torch.stack(split).sum()
+    dist.all_reduce(split, group=tp_group)
+    return split + torch.stack(whole).sum()
+
+def clip(grads, squares, max_norm):
+    """torch.nn.utils.clip_grad_norm_ over the whole model, from its global squared norm: every rank scales its
+    gradients by the same factor. Returns the norm before clipping."""
+    norm = squares.sqrt()
+    torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm
+
+def as_pieces(state, n_embd, tp, group):
+    """A state dict of a split model (state_of's {"model", "optimizer"}) as DCP should see it: c_attn's weight, bias
+    and their moments, held in the ranks' order, as their three blocks of the whole (parts.as_pieces). New dicts: the
+    optimizer's own keep its tensors."""
+    from plumbing import parts
+    pieces = lambda t: parts.as_pieces(t, n_embd, tp, group) if hasattr(t, "to_local") and t.dim() else t  # noqa: E731
+    model = {n: pieces(v) if is_c_attn(n) else v for n, v in state["model"].items()}
+    moments = {n: {k: pieces(v) for k, v in m.items()} if is_c_attn(n) else m
+               for n, m in state["optimizer"]["state"].items()}
+    return {"model": model, "optimizer": {**state["optimizer"], "state": moments}}
 
 # -----------------------------------------------------------------------------
 # The model split, and its step
@@ -97,21 +152,17 @@ class TensorParallel:
     optimizer step's forward and backward; calling it evaluates a batch. The same interface as pipeline.Pipeline."""
 
     def __init__(self, model, args, ranks, n_microbatches, print0, dtype="fp32"):
-        from plumbing import speedups
+        from plumbing import speedups, world
         config = model.config
         check_divides(args.tp, config.n_head, config.n_embd)  # (a pretrained model's or a checkpoint's own sizes)
         self.tp, self.dp, self.config, self.model = args.tp, ranks.world_size // args.tp, config, model
+        self.train_model = model  # (compiled by compile())
         self.replica, self.device = ranks.rank // self.tp, ranks.device
         device_type = ranks.device.split(":")[0]
-        self.mesh = mesh_of(ranks.world_size, self.tp, device_type)
+        self.mesh = world.mesh_of(ranks.world_size, 1, self.tp, device_type)
         self.tp_group, self.dp_group = self.mesh.get_group("tp"), self.mesh.get_group("dp")
         self.autocast = lambda: speedups.autocast(dtype, device_type)
-        with torch.no_grad():  # (a model built whole, as a test builds it: split here; a run builds it split)
-            for block in model.transformer.h if not hasattr(model.transformer.h[0].attn.c_attn.weight, "placements") else ():
-                attn = block.attn
-                attn.c_attn.weight.copy_(to_rank_order(attn.c_attn.weight, config.n_embd, self.tp))
-                attn.c_attn.bias.copy_(to_rank_order(attn.c_attn.bias, config.n_embd, self.tp))
-                split_block(block, self.mesh["tp"], self.tp)
+        split_built(model, self.mesh["tp"], self.tp)
         self.n_microbatches, self.batch, self.seq_len, self.dtype = n_microbatches, args.batch_size, args.seq_len, dtype
         print0(plan_line(self))
 
@@ -124,38 +175,24 @@ class TensorParallel:
         for x, y, packed in batches:
             x, y, packed = x.to(self.device), y.to(self.device), packed and packed.to(self.device)
             with self.autocast():
-                _, loss = self.model(x, y, packed=packed)
+                _, loss = self.train_model(x, y, packed=packed)
             # as train_gpt2.accumulate_gradients weighs it: each micro-batch's mean by its share of the step's targets,
             # times the replicas, whose gradients are then averaged
             loss = loss / len(batches) if n_targets is None else loss * (int((y != IGNORE).sum()) * self.dp / max(n_targets, 1))
             loss_accum += loss.detach()
             loss.backward()
-        if self.dp > 1:  # what DDP does, once a step: every replica's gradients averaged (each rank: its own share)
-            grads = [local(p.grad) for p in self.model.parameters() if p.grad is not None]
-            flat = torch.cat([g.flatten() for g in grads])  # one all-reduce: a single message for the whole share
-            dist.all_reduce(flat, group=self.dp_group)
-            flat /= self.dp
-            for g, avg in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                g.copy_(avg)
+        average_replicas(self.model.parameters(), self.dp_group, self.dp)
+        if self.dp > 1:
             dist.all_reduce(loss_accum, group=self.dp_group)
             loss_accum /= self.dp
-        return loss_accum, self.clip(max_norm)
+        grads = [local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        return loss_accum, clip(grads, squares(self.model.parameters(), self.tp_group), max_norm)
 
-    def clip(self, max_norm):
-        """torch.nn.utils.clip_grad_norm_ over the whole model: the global norm's squares are the split gradients'
-        (summed over the tensor-parallel ranks, each holding its share) plus the replicated ones' (every rank holds all
-        of each: counted once); every rank scales its gradients by the same factor."""
-        split, whole = [], []
-        for p in self.model.parameters():
-            if p.grad is not None:
-                sharded = hasattr(p.grad, "placements") and any(pl.is_shard() for pl in p.grad.placements)
-                (split if sharded else whole).append(local(p.grad))
-        squares = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in split]).sum()
-        dist.all_reduce(squares, group=self.tp_group)
-        squares = squares + torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in whole]).sum()
-        norm = squares.sqrt()
-        torch._foreach_mul_(split + whole, (max_norm / (norm + 1e-6)).clamp(max=1.0))
-        return norm
+    def compile(self, compile):
+        """The split model's training forward compiled, as one process compiles the GPT's (evaluation runs it eagerly):
+        compile(module) -> (compiled module, whether it compiled)."""
+        self.train_model, compiled = compile(self.model)
+        return compiled
 
     @torch.no_grad()
     def __call__(self, x, y, packed=None):
@@ -165,27 +202,11 @@ class TensorParallel:
     # -------------------------------------------------------------------------
     # Checkpoints: the one-process format, so that any layout, sample.py and export_hf.py read them
 
-    def one_process_names(self):
-        """The trained parameters' names in GPT.configure_optimizer's numbering on one process: matrices first."""
-        return [n for decay in (True, False) for n, p in self.model.named_parameters()
-                if p.requires_grad and (p.dim() >= 2) == decay]
-
-    def optimizer_names(self, optimizer):
-        """The names of this optimizer's parameters in its own numbering (its groups keep DTensors apart)."""
-        name_of = {id(p): n for n, p in self.model.named_parameters()}
-        return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
-
     def state(self, optimizer):
         """This rank's share of the weights and AdamW state as DCP writes and reads them (plumbing/parts.py): the whole
         model's names and places; c_attn's rows, held in the ranks' order, as their three blocks of the whole."""
         from plumbing import checkpoints, parts
-        state = checkpoints.state_of(self.model, optimizer)
-        pieces = lambda t: parts.as_pieces(t, self.config.n_embd, self.tp, self.tp_group)  # noqa: E731
-        for name in [n for n in state["model"] if is_c_attn(n)]:
-            state["model"][name] = pieces(state["model"][name])
-            if name in state["optimizer"]["state"]:  # (a new dict: the optimizer's own holds its tensors)
-                moments = state["optimizer"]["state"][name]
-                state["optimizer"]["state"][name] = {k: pieces(v) if v.dim() else v for k, v in moments.items()}
+        state = as_pieces(checkpoints.state_of(self.model, optimizer), self.config.n_embd, self.tp, self.tp_group)
         names = parts.trained_names(self.whole_model())
         state["optimizer"]["param_groups"] = parts.one_process_groups(names, optimizer.param_groups)
         return state
@@ -194,43 +215,17 @@ class TensorParallel:
         with torch.device("meta"):
             return type(self.model)(self.config)
 
-    def load_sharded(self, path, optimizer):
-        """A .dcp checkpoint (of any layout) into this rank's share and its AdamW: DCP reads just this rank's pieces,
-        into the tensors that get_state_dict hands out, which set_state_dict then puts in place."""
+    def load_sharded(self, source, optimizer):
+        """A checkpoint of any layout into this rank's share and its AdamW: a .dcp folder (DCP reads just this rank's
+        pieces) or a one-process checkpoint by name (parts.by_name), into the tensors that get_state_dict hands out,
+        which set_state_dict then puts in place."""
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         from plumbing import parts
         model_state, optimizer_state = get_state_dict(self.model, optimizer)
         def into(_):  # (the pieces DCP filled are views of model_state's and optimizer_state's tensors)
             set_state_dict(self.model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
-        pieces = lambda t: parts.as_pieces(t, self.config.n_embd, self.tp, self.tp_group) if hasattr(t, "to_local") else t  # noqa: E731
-        state = {"model": {n: pieces(v) if is_c_attn(n) else v for n, v in model_state.items()},
-                 "optimizer": {"state": {n: {k: pieces(v) if is_c_attn(n) and v.dim() else v for k, v in m.items()}
-                                         for n, m in optimizer_state["state"].items()}}}
-        parts.load(path, state, into)
-
-    def load_optimizer_state(self, optimizer, full):
-        """A one-process checkpoint's AdamW state (full) into this rank's optimizer: its own shares of the moments."""
-        from torch.distributed.tensor import distribute_tensor
-        index = {n: i for i, n in enumerate(self.one_process_names())}
-        params = dict(self.model.named_parameters())
-        state = {}
-        for i, name in enumerate(self.optimizer_names(optimizer)):
-            p, saved = params[name], full["state"].get(index[name])
-            if saved is None:
-                continue
-            state[i] = {}
-            for k, v in saved.items():
-                if hasattr(p, "placements") and v.dim() > 0:  # this rank's share, cut from the whole (no traffic)
-                    v = to_rank_order(v, self.config.n_embd, self.tp) if is_c_attn(name) else v
-                    v = distribute_tensor(v, p.device_mesh, p.placements, src_data_rank=None)
-                state[i][k] = v
-        groups, first = [], 0
-        for group in optimizer.param_groups:  # the saved hyperparameters of the group (matrices or not) it belongs to
-            saved = full["param_groups"][0 if group["params"][0].dim() >= 2 else 1]
-            groups.append({**{k: v for k, v in saved.items() if k != "params"},
-                           "params": list(range(first, first + len(group["params"])))})
-            first += len(group["params"])
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
+        state = as_pieces({"model": model_state, "optimizer": optimizer_state}, self.config.n_embd, self.tp, self.tp_group)
+        parts.load(source, state, into)
 
     def check_same_weights(self, ranks):
         """The end-of-run check (world.check_same_weights), for a split model, by digests (plumbing/parts.py): the

@@ -8,6 +8,7 @@ How the processes of a job find each other and agree.
   - stop signals, agreed by all ranks so that they stop at the same step
   - checks that the ranks start from the same step and end with the same weights
 """
+import functools
 import hashlib
 import os
 import re
@@ -92,6 +93,17 @@ class Ranks:
         if self.world_size > 1:
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)  # SUM: AVG is not on every CPU backend
         return t
+
+# -----------------------------------------------------------------------------
+# The device mesh: where each rank sits among the data-parallel replicas, pipeline stages and tensor-parallel ranks
+
+@functools.cache
+def mesh_of(world_size, pp, tp, device_type):
+    """The (dp, pp, tp) device mesh: rank r is tensor-parallel rank r % tp of stage (r // tp) % pp of replica
+    r // (pp tp). Tensor parallel's ranks are neighbours (one node's cores, with the fastest links between them), a
+    replica's stages next. Made once a process (every rank makes it together), for the build and then for the step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(device_type, (world_size // (pp * tp), pp, tp), mesh_dim_names=("dp", "pp", "tp"))
 
 def check_same_weights(ranks, model):
     """Every rank must hold the same weights at the end; a checksum per rank proves it.

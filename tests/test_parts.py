@@ -1,5 +1,5 @@
 """Checkpoints written in parts (plumbing/parts.py): a .dcp folder written under each of FSDP (--shard full), a pipeline
-(--pp 2) and tensor parallel (--tp 2), every rank writing its own part in the whole model's names, resumes under each
+(--pp 2), tensor parallel (--tp 2) and both (--pp 2 --tp 2, 4 ranks), every rank writing its own part in the whole model's names, resumes under each
 other layout and on one process, continuing the uninterrupted run (losses within 1e-5, the same final weights);
 sample.py and export_hf.py read each. And what a part checkpoint holds: each tensor of the whole model once, whole.
 
@@ -23,8 +23,9 @@ TOL = 1e-5
 EQUAL = ["--batch_size", "2", "--total_batch_size", "384", "--n_layer", "4"]
 # each layout's flags, complete (a resumed run takes the others from its checkpoint's arguments), and its ranks
 LAYOUTS = {"one": (1, []), "fsdp": (2, ["--shard", "full", "--pp", "1", "--tp", "1"]),
-           "pp2": (2, ["--pp", "2", "--shard", "none", "--tp", "1"]), "tp2": (2, ["--tp", "2", "--shard", "none", "--pp", "1"])}
-WRITERS = ["fsdp", "pp2", "tp2"]
+           "pp2": (2, ["--pp", "2", "--shard", "none", "--tp", "1"]), "tp2": (2, ["--tp", "2", "--shard", "none", "--pp", "1"]),
+           "pp2tp2": (4, ["--pp", "2", "--tp", "2", "--shard", "none"])}
+WRITERS = ["fsdp", "pp2", "tp2", "pp2tp2"]
 
 
 def launch(args, layout):
@@ -64,15 +65,16 @@ def test_a_part_checkpoint_holds_the_whole_model_once(runs, writer):
 
 
 @pytest.mark.parametrize("writer", WRITERS)
-@pytest.mark.parametrize("reader", ["one", "fsdp", "pp2", "tp2"])
+@pytest.mark.parametrize("reader", ["one", *WRITERS])
 def test_a_part_checkpoint_resumes_under_every_layout(runs, tmp_path, writer, reader):
     if reader == writer:
         pytest.skip("the same layout resumes its own checkpoints: test_pipeline, test_tensor_parallel, test_distributed")
     resumed = stopped_after_step_3(runs[writer], tmp_path / f"{writer}_to_{reader}")
     proc = launch(["--resume", "--log_dir", resumed], reader)
     assert "model_00003.dcp at step 3" in proc.stdout
-    assert ("pipeline: 2 stages" in proc.stdout) == (reader == "pp2")
+    assert ("pipeline: 2 stages" in proc.stdout) == (reader in ("pp2", "pp2tp2"))
     assert ("tensor parallel: 2 ranks" in proc.stdout) == (reader == "tp2")
+    assert ("split over 2 tensor-parallel ranks" in proc.stdout) == (reader == "pp2tp2")
     assert_same_run(runs["one"], resumed)
     assert final_weights_diff(runs["one"], resumed) <= TOL
 

@@ -17,7 +17,7 @@ from plumbing import tensor_parallel
 from test_distributed import assert_same_run
 
 TOL = 1e-5
-EAGER = ["--no-compile"]  # (the one-process reference: a cold torch.compile costs a minute; --tp runs eagerly anyway)
+EAGER = ["--no-compile"]  # (the one-process reference: test_compiled_parts_equal_eager compiles the parts)
 
 
 
@@ -36,7 +36,7 @@ def single(data, tmp_path_factory):
 @pytest.fixture(scope="module")
 def tp2(data, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("tp2") / "log"
-    return log_dir, run_launched(tiny_run_args(data, log_dir, "--tp", "2"), torchrun(2), clean_env())
+    return log_dir, run_launched(tiny_run_args(data, log_dir, "--tp", "2", *EAGER), torchrun(2), clean_env())
 
 
 def tiny_shares(tp):
@@ -61,7 +61,7 @@ def test_tensor_parallel_equals_one_process(data, single, tp2, tmp_path, ranks):
         log_dir, proc = tp2
     else:
         log_dir = tmp_path / "log"
-        proc = run_launched(tiny_run_args(data, log_dir, "--tp", "2"), torchrun(ranks), clean_env())
+        proc = run_launched(tiny_run_args(data, log_dir, "--tp", "2", *EAGER), torchrun(ranks), clean_env())
     assert f"tensor parallel: 2 ranks x {ranks // 2} data-parallel replica(s)" in proc.stdout
     mine, total = tiny_shares(2)
     assert f"each rank: {mine / 1e6:.2f}M of {total / 1e6:.2f}M parameters" in proc.stdout
@@ -108,6 +108,49 @@ def test_checkpoints_cross_layouts(single, tp2, tmp_path):
     assert "model_00003.pt at step 3" in proc.stdout and "tensor parallel: 2 ranks" in proc.stdout
     assert_same_run(single[0], to_tp)
     assert final_weights_diff(single[0], to_tp) <= TOL
+
+
+@pytest.mark.xdist_group("multiprocess")
+@pytest.mark.parametrize("ranks", [4, 8], ids=["pp2xtp2", "dp2xpp2xtp2"])
+def test_pipeline_of_split_stages_equals_one_process(data, single, tmp_path, ranks):
+    """--pp 2 --tp 2 on one (dp, pp, tp) mesh: each stage's block split over 2 ranks, the activations passed from each
+    tensor-parallel rank to its peer of the next stage, the tied weight's gradients summed per peer pair, clipping's
+    norm summed over the split, the stages and the replicas. Losses, norms and final weights as one process; a
+    one-process .pt resumes under it, each rank cutting its part from it."""
+    log_dir = tmp_path / "log"
+    proc = run_launched(tiny_run_args(data, log_dir, "--pp", "2", "--tp", "2", "--batch_size", "2", *EAGER), torchrun(ranks),
+                        clean_env())
+    assert (f"pipeline: 2 stages x {ranks // 4} data-parallel replica(s), each stage's blocks split over 2 "
+            "tensor-parallel ranks") in proc.stdout
+    assert_same_run(single[0], log_dir)
+    assert final_weights_diff(single[0], log_dir) <= TOL
+    norms, reference = printed_norms(proc.stdout), printed_norms(single[1].stdout)
+    assert len(norms) == 6 and max(abs(a - b) for a, b in zip(norms, reference)) <= 2e-4, (norms, reference)
+    if ranks == 4:
+        resumed = stopped_after_step_3(single[0], tmp_path / "resumed")
+        proc = run_launched(["--resume", "--log_dir", resumed, "--pp", "2", "--tp", "2", "--batch_size", "2"],
+                            torchrun(4), clean_env())
+        assert "model_00003.pt at step 3" in proc.stdout
+        assert_same_run(single[0], resumed)
+        assert final_weights_diff(single[0], resumed) <= TOL
+
+
+@pytest.mark.xdist_group("multiprocess")
+@pytest.mark.parametrize("flags", [["--tp", "2"], ["--pp", "2", "--tp", "2", "--batch_size", "2"]], ids=["tp2", "pp2xtp2"])
+def test_compiled_parts_equal_eager(data, single, tmp_path, flags):
+    """Compiled as one process is (the default): tensor parallel's split model, and a pipeline's stages with their
+    split blocks (the stage's forward and its loss, one graph each; DTensor's collectives inside them). The same run
+    as eager one process within fp32 rounding (the compiled kernels sum in another order)."""
+    ranks = 2 * (1 + ("--pp" in flags))
+    log_dir = tmp_path / "log"
+    proc = run_launched(tiny_run_args(data, log_dir, *flags, "--compile"), torchrun(ranks),
+                        clean_env(TORCH_COMPILE_DISABLE="0"))  # (conftest turns compiling off for every other test)
+    assert "compile: torch.compile" in proc.stdout and "compile: took about" in proc.stdout
+    from conftest import read_log
+    for kind in ("train", "val"):
+        ref, got = read_log(single[0], kind), read_log(log_dir, kind)
+        assert sorted(got) == sorted(ref) and max(abs(ref[s] - got[s]) for s in ref) <= 1e-4, (kind, ref, got)
+    assert final_weights_diff(single[0], log_dir) <= 1e-4
 
 
 @pytest.mark.xdist_group("multiprocess")
@@ -160,7 +203,8 @@ def test_bad_layouts_are_one_line(data, tmp_path):
     assert "--tp 3: the world size 4 is not a multiple of it" in refused(4, "--tp", "3")
     assert "--tp 2 does not divide the model's 3 heads (--n_head)" in refused(2, "--tp", "2", "--n_head", "3",
                                                                                "--n_embd", "96")
-    assert "--tp 2 with --pp: not yet combined" in refused(4, "--tp", "2", "--pp", "2")
+    check_args(build_parser().parse_args(["--data_dir", data, "--tp", "2", "--pp", "2"]), 4)  # (combined: accepted)
+    assert "--pp 2: the world size 3 is not a multiple" in refused(6, "--tp", "2", "--pp", "2")
     assert "--tp 2 with --shard: not yet combined" in refused(2, "--tp", "2", "--shard", "full")
     assert "--tp 2 with --lora: not yet combined" in refused(2, "--tp", "2", "--lora", "4")
     proc = run_train(tiny_run_args(data, tmp_path / "log", "--tp", "2"), check=False)
