@@ -119,9 +119,8 @@ def load_full_optimizer_state(model, optimizer, state):
     """A plain checkpoint's AdamW state (as optimizer.state_dict() numbers the parameters) into the
     optimizer of a sharded model: each rank keeps its pieces. The numbering is configure_optimizer's."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    names = [n for decay in (True, False) for n, p in model.named_parameters() if p.requires_grad and (p.dim() >= 2) == decay]
-    by_name = {"state": {names[i]: s for i, s in state["state"].items()},
-               "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+    from plumbing import parts
+    by_name = parts.by_name({}, state, parts.trained_names(model))["optimizer"]
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
 def bytes_sent(weights, grads, world_size, shard, micro_steps, bf16, backend="gloo", gathers=None):
