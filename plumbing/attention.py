@@ -80,6 +80,15 @@ def bf16_units():
             flags.update(line.split(":", 1)[1].split())
     return "AMX" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else None
 
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention.cpp")
+
+def build_dir():
+    """Where attention.cpp is built: one folder for each torch and each version of the source (two venvs or two
+    checkouts never rebuild each other's)."""
+    import hashlib
+    with open(SOURCE, "rb") as f:
+        return cache_dir("extensions", torch.__version__, hashlib.sha256(f.read()).hexdigest()[:12])
+
 def kernel():
     """True once attention.cpp is compiled for this CPU and loaded (torch.utils.cpp_extension, cached on disk like
     torch.compile's kernels); False where it cannot run (neither AMX nor AVX512-BF16: oneDNN's bf16 brgemm needs one)
@@ -88,15 +97,21 @@ def kernel():
     if _kernel is None:
         _kernel = False
         if bf16_units() and torch.backends.mkldnn.is_available():
+            import fcntl
             from torch.utils import cpp_extension
-            build = cache_dir("extensions", torch.__version__)  # (a build is for one torch: two venvs, two builds)
+            source, build = SOURCE, build_dir()
             os.makedirs(build, exist_ok=True)
-            source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention.cpp")
             try:
-                cpp_extension.load("gpt2cpu_attention", [source], build_directory=build, is_python_module=False,
-                                   extra_cflags=["-O3", "-march=native", "-fno-strict-aliasing",
-                                                 "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-fopenmp"],
-                                   extra_ldflags=["-fopenmp"])  # (OpenMP: at::parallel_for's threads, see .cpp)
+                # one build at a time (the ranks of a run all load it), under a lock the OS frees when its holder dies:
+                # torch's own lock file stays behind when a build is killed, and every later load waits on it forever
+                with open(os.path.join(build, "build.flock"), "w") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                    if os.path.exists(os.path.join(build, "lock")):  # (left by a killed build: no one else builds now)
+                        os.remove(os.path.join(build, "lock"))
+                    cpp_extension.load("gpt2cpu_attention", [source], build_directory=build, is_python_module=False,
+                                       extra_cflags=["-O3", "-march=native", "-fno-strict-aliasing",
+                                                     "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-fopenmp"],
+                                       extra_ldflags=["-fopenmp"])  # (OpenMP: at::parallel_for's threads, see .cpp)
             except (OSError, RuntimeError, ImportError) as e:  # no compiler, no ninja, ...: PyTorch's attention runs
                 why_not = f"attention.cpp's kernel could not be built: {one_line(e)}"
                 return False
