@@ -228,6 +228,35 @@ def auto_report(rate, results, max_memory):
                  f"its time; predictions within 25% of the measured: {close} of {len(fits)}")
     return "\n".join(lines)
 
+def simulate(args):
+    """--simulate: the planner's choice (plumbing/layouts.py's own plan, predict and choose) for models and clusters
+    this machine cannot hold, on paper: GPT-2 XL and a model twice its size on 4 to 64 nodes of --node_gib, one rank a
+    node, at 1, 10 and 25 Gbit/s; a block's time from --tflops (a node's sustained matmul rate) instead of timed."""
+    import common  # noqa: F401
+    from plumbing import layouts as L
+    from train_gpt2 import GPTConfig
+    models = {"GPT-2 XL (1.56B)": GPTConfig(block_size=1024, vocab_size=50304, n_layer=48, n_head=25, n_embd=1600),
+              "2x XL (3.2B)": GPTConfig(block_size=1024, vocab_size=50304, n_layer=48, n_head=36, n_embd=2304)}
+    rows, seq, batch = 1, 1024, 2**19  # build-nanogpt's step, 2^19 tokens, in micro-batches of one row of 1024
+    print(f"on paper: nodes of {args.node_gib} GiB and {args.tflops} TFLOP/s (bf16), one rank a node, 50 us links; "
+          f"{batch} tokens a step in micro-batches of {rows} x {seq}; fastest predicted layout that fits in "
+          f"{L.HEADROOM:.0%} of the memory")
+    print(f"{'model':>17} | {'nodes':>5} | {'Gbit/s':>6} | {'layout':<40} | {'step s':>7} | {'tokens/s':>8} | GiB a rank")
+    for name, config in models.items():
+        block_cost, _ = L.stage_split.stage_costs(config, seq)
+        block_seconds = 3 * block_cost * rows * seq / (args.tflops * 1e12)  # forward and backward
+        for nodes in (4, 8, 16, 32, 64):
+            micro = lambda dp: max(1, batch // (rows * seq * dp))  # noqa: E731
+            for gbit in (1, 10, 25):
+                found = [L.predict(L.plan(l, config, nodes, rows, seq, micro(nodes // (l.pp * l.tp)), True), config,
+                                   nodes, seq, micro(nodes // (l.pp * l.tp)), block_seconds, (gbit * 1e9 / 8, 50e-6))
+                         for l in L.candidates(config, nodes, lambda pp: pp <= config.n_layer and micro(nodes // pp) >= pp,
+                                               tp=False)]
+                best, _ = L.choose(found, args.node_gib * 2**30, fits_alone=False)
+                what = (best.describe(nodes), f"{best.seconds:7.1f}", f"{batch / best.seconds:8.0f}",
+                        f"{best.memory / 2**30:.1f}") if best else ("none fits", "", "", "")
+                print(f"{name:>17} | {nodes:>5} | {gbit:>6} | {what[0]:<40} | {what[1]:>7} | {what[2]:>8} | {what[3]}")
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("--ranks", type=int, default=3)
@@ -248,7 +277,13 @@ def main():
                    "GIB (below DDP's need) at each rate: its predicted step for every layout beside the measured, its choice")
     p.add_argument("--ranks_per_node", type=int, default=1, help="ranks given one hostname (a node, to --parallel "
                    "auto: tensor parallel inside it, its link timed apart); every rank keeps a link of its own")
+    p.add_argument("--simulate", action="store_true", help="no runs: the planner's choices for GPT-2 XL and twice "
+                   "its size on 4-64 nodes at 1, 10 and 25 Gbit/s, on paper (--tflops, --node_gib)")
+    p.add_argument("--tflops", type=float, default=2.0, help="--simulate: a node's sustained bf16 matmul rate")
+    p.add_argument("--node_gib", type=float, default=16.0, help="--simulate: a node's memory")
     args = p.parse_args()
+    if args.simulate:
+        return simulate(args)
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
         print("bench_parallel: needs root and iproute2 (ip, tc) to make network namespaces and rate-limited links; "
               "not measured")

@@ -118,14 +118,13 @@ def plan(layout, config, world, rows, seq_len, micro_steps, bf16, budget=None):
         layout.memory = (STATE_BYTES + 4 * (dp > 1)) * held + acts(L) * (1 + 1 / t) / 2 + \
             beyond_state(held, 1, config, bf16)  # (about half of the activations split)
         layout.sent, layout.sent_in_blocks = tp_bytes + dp_bytes, tp_bytes
-    else:  # pipeline: the busiest stage; 1F1B keeps at most pp micro-batches' activations on the first stage
-        dp = world // layout.pp
+    else:  # pipeline: the busiest stage; 1F1B keeps pp - s micro-batches' activations on stage s, and the last
+        dp = world // layout.pp  # stage alone computes the loss (its chunk of logits, acts(0): once, not in flight)
         bounds, layout.stage_blocks = stages(config, layout.pp, seq_len, budget, bf16)
-        held = stage_split.stage_plan(config, bounds, rows, seq_len, micro_steps, dp)
-        layout.memory = max((STATE_BYTES + 4 * (dp > 1)) * params + beyond_state(params, (s == 0) + (s == len(held) - 1),
-                                                                                  config, bf16)
-                            for s, (_, params, _) in enumerate(held)) + \
-            min(layout.pp, micro_steps) * acts(max(b - a for a, b in bounds))
+        held, N = stage_split.stage_plan(config, bounds, rows, seq_len, micro_steps, dp), layout.pp
+        layout.memory = max((STATE_BYTES + 4 * (dp > 1)) * params + beyond_state(params, (s == 0) + (s == N - 1), config, bf16)
+                            + min(N - s, micro_steps) * (acts(b - a) - acts(0)) + (s == N - 1) * acts(0)
+                            for s, ((a, b), (_, params, _)) in enumerate(zip(bounds, held)))
         layout.sent = max(sent for _, _, sent in held)
     return layout
 

@@ -210,3 +210,16 @@ def test_a_forced_layout_that_cannot_fit_is_one_line(data, tmp_path):
     assert re.search(r"error: FSDP \(--shard full\) needs ~0\.\d\d GiB a rank \(training state and activations\), and a "
                      r"rank has 0\.00 GiB \(--max_memory\)", proc.stdout + proc.stderr), proc.stdout + proc.stderr
     assert "model:" not in proc.stdout  # before the model is built
+
+
+def test_a_pipeline_counts_the_loss_chunk_once_and_in_flight_activations_per_stage(monkeypatch):
+    """1F1B keeps pp - s micro-batches' block activations on stage s, and only the last stage computes the loss: its
+    chunk of logits is counted once, not once per micro-batch in flight (GPT-2 XL on 8 stages: it was 2.6 GiB too
+    much). A larger chunk raises the planned peak by its growth at most (the last stage's; another stage may be the
+    peak before it grows), not by pp times it."""
+    config = GPTConfig(block_size=1024, vocab_size=50304, n_layer=48, n_head=25, n_embd=1600)
+    def peak(chunk):
+        monkeypatch.setattr(layouts, "activation_bytes",
+                            lambda config, rows, seq_len, layers, bf16: layers * 2**20 + chunk)
+        return layouts.plan(layouts.Layout("pp", "none", 8), config, 8, 1, 1024, 64, True).memory
+    assert 0 < peak(2 * 2**30) - peak(2**30) <= 2**30
