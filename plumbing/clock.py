@@ -47,7 +47,8 @@ FEW_STEPS = 300  # a short budget's micro-batch is halved (to one row) until it 
 DECAY = 0.2  # the last 20% of the budget decays the learning rate (Hagele et al. 2024: as good as cosine)
 EVAL_SHARE = 0.03  # a val pass takes this share of the time between evaluations (all of them: ~3% of the run)
 EVALS = 10  # evaluations in a run, besides the first
-PROBE_SHARE = 0.06  # the probe stops growing the shape once it has taken this share of the budget
+PROBE_SHARE = 0.06  # measuring stops growing the shape (after two) before it would take more of the budget
+PROBE_STEPS = 3  # timed steps of each shape, after one that warms up
 EXIT_S = 5.0  # the final report, the same-weights check and the interpreter's exit
 PLANNED = ("n_layer", "n_head", "n_embd", "block_size", "seq_len", "batch_size", "total_batch_size", "max_steps",
            "warmup_steps", "max_lr", "min_lr", "eval_interval", "val_tokens", "checkpoint_interval", "sample_interval",
@@ -120,9 +121,11 @@ def val_tokens(eval_interval, total_batch_size, seq_len, share=0.1, most=1048576
     `most` (build-nanogpt's 8-GPU figure), at least one row."""
     return max(seq_len, min(most, int(3 * share * eval_interval * total_batch_size) // seq_len * seq_len))
 
-def time_step(build, depth, dtype_autocast, device="cpu", steps=2):
+def time_step(build, depth, dtype_autocast, device="cpu", steps=None):
     """Seconds of one training step (forward, backward, fused AdamW) of a micro-batch of MICRO_TOKENS, at this
-    depth, the best of `steps` after one that warms up (oneDNN's kernels, the allocator)."""
+    depth, the best of `steps` (PROBE_STEPS) after one that warms up (oneDNN's kernels, the allocator): the best,
+    as a busy machine only ever slows a step down."""
+    steps = steps or PROBE_STEPS
     s = shape(depth)
     rows = max(1, MICRO_TOKENS // s["block_size"])
     torch.manual_seed(0)
@@ -213,14 +216,14 @@ class Budget:
         for depth in DEPTHS:
             if explicit.get("n_layer", depth) != depth and depth > min(DEPTHS):
                 continue  # (the smallest is always timed: it says whether the budget is long enough)
-            probe_started = time.time()
             step_s[depth] = budget.agree([time_step(build, depth, run.autocast, ranks.device)])[0] / run.replicas
             spent = time.time() - budget.start
             if depth == min(DEPTHS):
                 check_long_enough(budget.seconds, spent, step_s[depth], args.hours)
-            if ((time.time() - probe_started) * 1.5 + spent > PROBE_SHARE * budget.seconds
+            next_probe = (PROBE_STEPS + 1) * step_s[depth] * 2  # (about: the next shape's steps are slower)
+            if (len(step_s) > 1 and spent + next_probe > PROBE_SHARE * budget.seconds
                     or step_s[depth] * FEW_STEPS > budget.deadline - time.time()):
-                break  # (the next shape's probe would take the probe past its share, or it could not train enough)
+                break  # (the next shape's probe would take measuring past its share, or this one could not train enough)
         if explicit.get("n_layer", min(DEPTHS)) not in step_s:
             step_s[explicit["n_layer"]] = time_step(build, explicit["n_layer"], run.autocast, ranks.device)
         train_s = (budget.deadline - time.time() - EXIT_S) * (1 - EVAL_SHARE * 1.5)  # (the evaluations, the final one)
