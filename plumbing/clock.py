@@ -163,7 +163,7 @@ class Budget:
 
     def __init__(self, hours, ranks, used_s=0.0, decay_from=None):
         self.seconds, self.ranks = hours * 3600, ranks
-        self.start = process_start()
+        self.start = self.agree([process_start()])[0]  # (ranks start a moment apart: they agree on one start)
         self.deadline = self.start + self.seconds - used_s  # (resumed: the time the earlier processes used is gone)
         self.used_before, self.decay_from = used_s, decay_from
         self.loop_start = self.last_end = None
@@ -216,17 +216,19 @@ class Budget:
         for depth in DEPTHS:
             if explicit.get("n_layer", depth) != depth and depth > min(DEPTHS):
                 continue  # (the smallest is always timed: it says whether the budget is long enough)
-            step_s[depth] = budget.agree([time_step(build, depth, run.autocast, ranks.device)])[0] / run.replicas
-            spent = time.time() - budget.start
+            step, spent = budget.agree([time_step(build, depth, run.autocast, ranks.device), time.time() - budget.start])
+            step_s[depth] = step / run.replicas  # (every rank decides from the same numbers: they stay in step)
             if depth == min(DEPTHS):
                 check_long_enough(budget.seconds, spent, step_s[depth], args.hours)
             next_probe = (PROBE_STEPS + 1) * step_s[depth] * 2  # (about: the next shape's steps are slower)
             if (len(step_s) > 1 and spent + next_probe > PROBE_SHARE * budget.seconds
-                    or step_s[depth] * FEW_STEPS > budget.deadline - time.time()):
+                    or step_s[depth] * FEW_STEPS > budget.seconds - spent):
                 break  # (the next shape's probe would take measuring past its share, or this one could not train enough)
         if explicit.get("n_layer", min(DEPTHS)) not in step_s:
-            step_s[explicit["n_layer"]] = time_step(build, explicit["n_layer"], run.autocast, ranks.device)
-        train_s = (budget.deadline - time.time() - EXIT_S) * (1 - EVAL_SHARE * 1.5)  # (the evaluations, the final one)
+            step, spent = budget.agree([time_step(build, explicit["n_layer"], run.autocast, ranks.device),
+                                        time.time() - budget.start])
+            step_s[explicit["n_layer"]] = step / run.replicas
+        train_s = (budget.seconds - spent - EXIT_S) * (1 - EVAL_SHARE * 1.5)  # (the evaluations, the final one)
         depth, plan = choose(step_s, train_s, explicit)
         vars(args).update(plan)
         run.lay_out()
