@@ -105,8 +105,8 @@ class Bar:
 
     def update(self, n=1):
         self.n += n
-        if self.tqdm is not None:
-            self.tqdm.update(n)
+        if self.tqdm is not None or not self.enabled:  # (a total of 0, unknown: nothing to show)
+            self.tqdm and self.tqdm.update(n)
             return
         tenth = self.n * 10 // self.total  # how many tenths are done
         spent = time.time() - self.started
