@@ -95,3 +95,16 @@ def test_a_bar_in_a_log_prints_each_tenth_on_rank_0_only(capsys, monkeypatch):
                 bar.update(1)
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(" (")[0] for line in lines] == [f"pass: {p}%" for p in (12, 20, 32, 40, 52, 60, 72, 80, 92, 100)]
+
+
+def test_a_weights_download_says_its_size_once(monkeypatch, capsys):
+    """OpenAI's weights not in the hub's cache: one line with their size, then huggingface_hub's own progress."""
+    import huggingface_hub
+    from plumbing import inputs
+    cached = {}
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, f: cached.get((repo, f)))
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, f: cached.setdefault((repo, f), f"/hub/{f}"))
+    assert inputs.pretrained_files("gpt2-xl", ("gpt2-xl",)) == ("/hub/config.json", "/hub/model.safetensors")
+    inputs.pretrained_files("gpt2-xl", ("gpt2-xl",))  # cached now: nothing said
+    assert capsys.readouterr().out == ("downloading openai-community/gpt2-xl's weights from the Hugging Face hub "
+                                       "(6.43 GB), once: then they are read from its cache\n")
