@@ -254,7 +254,8 @@ def check_args(args, world_size):
     # world = data-parallel replicas x pipeline stages (--pp) x tensor-parallel ranks (--tp)
     replicas = check_layout(args, tensor_parallel.check_layout(args, world_size))
     tokens_per_micro = args.batch_size * args.seq_len * replicas
-    if args.total_batch_size % tokens_per_micro:
+    planned = args.hours and "total_batch_size" not in getattr(args, "explicit", {})
+    if args.total_batch_size % tokens_per_micro and not planned:  # (--hours: checked again once planned)
         raise SystemExit(f"error: --total_batch_size {args.total_batch_size} is not divisible by --batch_size "
                          f"{args.batch_size} x --seq_len {args.seq_len} x {replicas} data-parallel replica(s) = {tokens_per_micro}")
     for flag in ("batch_size", "seq_len", "max_steps", "n_layer", "n_head", "n_embd"):

@@ -81,15 +81,17 @@ def shape(depth):
 
 def blocks_params(depth):
     """N of the rule: the blocks' parameters, 12 width^2 a block (attention 4, MLP 8)."""
-    return 12 * depth * (64 * depth) ** 2
+    s = shape(depth)
+    return 12 * s["n_layer"] * s["n_embd"] ** 2
 
 def predicted_loss(n, tokens):
     return E + A / n ** ALPHA + B / max(tokens, 1.0) ** BETA
 
-def choose(step_s, train_s, explicit=None):
+def choose(step_s, train_s, explicit=None, replicas=1):
     """The plan from measured step times. step_s: {depth: seconds of one training step of MICRO_TOKENS}; train_s:
     the seconds left for training steps (evaluations not included). explicit: {flag: value} the user gave, which
-    win, and what follows from them too (a given --n_layer picks that depth). Returns (depth, the flags planned)."""
+    win, and what follows from them too (a given --n_layer picks that depth). replicas: data-parallel ranks, each
+    a micro-batch a micro-step (step_s is already the job's). Returns (depth, the flags planned)."""
     explicit = explicit or {}
     rates = {d: MICRO_TOKENS / s for d, s in step_s.items()}
     if explicit.get("n_layer") in rates:
@@ -101,10 +103,10 @@ def choose(step_s, train_s, explicit=None):
     put(**shape(depth))
     put(seq_len=plan["block_size"])
     rows = max(1, MICRO_TOKENS // plan["seq_len"])
-    while rows > 1 and tokens / (rows * plan["seq_len"]) < FEW_STEPS:
+    while rows > 1 and tokens / (rows * plan["seq_len"] * replicas) < FEW_STEPS:
         rows //= 2
     put(batch_size=rows)
-    micro = plan["batch_size"] * plan["seq_len"]
+    micro = plan["batch_size"] * plan["seq_len"] * replicas
     grow = max(0, int(math.log2(max(tokens / STEPS_FOR_BATCH / micro, 1))))
     put(total_batch_size=min(micro << grow, max(micro, 2 ** 19 // micro * micro)))
     steps = max(1, int(tokens // plan["total_batch_size"]))
@@ -229,7 +231,7 @@ class Budget:
                                         time.time() - budget.start])
             step_s[explicit["n_layer"]] = step / run.replicas
         train_s = (budget.seconds - spent - EXIT_S) * (1 - EVAL_SHARE * 1.5)  # (the evaluations, the final one)
-        depth, plan = choose(step_s, train_s, explicit)
+        depth, plan = choose(step_s, train_s, explicit, run.replicas)
         vars(args).update(plan)
         run.lay_out()
         ends = time.strftime("%H:%M:%S", time.localtime(budget.deadline))

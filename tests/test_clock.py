@@ -201,17 +201,20 @@ train_gpt2.main(sys.argv[1:])
 """
 
 
-def test_a_run_of_hours_ends_on_time_with_its_plan_a_final_eval_and_a_report(tmp_path):
+def run_patched(tmp_path, budget, launcher=(sys.executable,)):
     script = tmp_path / "patched.py"
     script.write_text(PATCHED.format(repo=REPO))
-    budget = 40.0
     started = time.time()
-    proc = subprocess.run([sys.executable, str(script), "--time", f"{budget:.0f}s", "--log_dir", str(tmp_path / "log"),
+    proc = subprocess.run([*launcher, str(script), "--time", f"{budget:.0f}s", "--log_dir", str(tmp_path / "log"),
                            "--threads", "1"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                           env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
-    wall = time.time() - started
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout
+    return proc.stdout, time.time() - started
+
+
+def test_a_run_of_hours_ends_on_time_with_its_plan_a_final_eval_and_a_report(tmp_path):
+    budget = 40.0
+    out, wall = run_patched(tmp_path, budget)
     assert 0.9 * budget <= wall <= 1.1 * budget, f"{wall:.1f} s for a budget of {budget:.0f} s\n{out}"
     plan = re.findall(r"^plan: (\d) layers x \d+ wide .* tokens in ~\d+ steps of \d+, lr [\d.e-]+, ends by [\d:]+ "
                       r"\(40s in all\); measured tokens/s: 1 layers \d+.*; flags given that override it: "
@@ -225,3 +228,13 @@ def test_a_run_of_hours_ends_on_time_with_its_plan_a_final_eval_and_a_report(tmp
     lrs = [float(lr) for _, lr in steps]
     assert lrs[-1] < 0.1 * max(lrs)  # the decay ran to its end
     assert os.path.exists(tmp_path / "log" / "report.png") and os.path.exists(tmp_path / "log" / "report.md")
+
+
+@pytest.mark.xdist_group("multiprocess")
+def test_ranks_plan_alike_and_end_together(tmp_path):
+    """Two DDP ranks: one plan (from the step times averaged over them), the same last step, the same weights."""
+    budget = 40.0
+    out, wall = run_patched(tmp_path, budget, (sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                               "--nproc_per_node=2"))
+    assert 0.9 * budget <= wall <= 1.15 * budget, f"{wall:.1f} s for a budget of {budget:.0f} s\n{out}"
+    assert len(re.findall(r"^plan: ", out, re.M)) == 1 and "parameter sha256 (all 2 rank(s))" in out
