@@ -16,11 +16,13 @@ The rule (choose). A shape trained for D tokens is predicted to reach Chinchilla
 with N its non-embedding parameters (12 d width^2: the blocks; Kaplan et al. 2020 found those, not the
 embedding, predict the loss) and D = the tokens/s measured here x the seconds left for training. The
 shape with the lowest L wins. For a fixed FLOP count 6 N D this fit is lowest near 20 tokens a
-parameter, Chinchilla's rule; here D comes from the speed measured on this CPU, where GPT-2's 50304 x
+parameter at 1e17 FLOPs, Chinchilla's rule (16 at 6e15, 50 at 1e21: the fit's ratio grows slowly); here D comes from the speed measured on this CPU, where GPT-2's 50304 x
 width lm_head makes the small shapes slower than 6 N says, so the rule picks from measured rates, not
 from FLOPs. The learning rate is GPT-2's 6e-4 at width 768, scaled as 1 / width (muP's rule for Adam),
 at most 3e-3 (the demo's, at width 128); the batch about 1/500 of the tokens (a few hundred steps), a
 power of two times a micro-batch of 2048 tokens (halved, down to one row, when that gives under 300 steps).
+
+The step times are measured eagerly (a compiled run is faster: the re-fit below gives it the steps).
 
 The schedule: warmup for 5% of the planned steps, then the peak learning rate until the clock reaches
 (1 - DECAY) of the budget, then a linear decay to --min_lr (0 unless given) over the steps left. At
