@@ -30,7 +30,6 @@ import time
 
 import torch
 from torch.nn import functional as F
-from tqdm import tqdm
 
 from plumbing import ShowDefaults, cpu, speedups, world
 from plumbing.progress import Bar
@@ -99,8 +98,9 @@ def download(split, data_dir=None, base_url=None):
             with requests.get(url, stream=True, timeout=(10, 60)) as resp:
                 resp.raise_for_status()
                 total = int(resp.headers.get("content-length", 0)) or None
-                with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
-                          desc=f"hellaswag_{split}.jsonl") as bar:
+                print(f"downloading {url} ({f'{total / 1e6:.1f} MB' if total else 'size not given'}), once, into "
+                      f"{path}", flush=True)  # (a bar on a terminal, a line every tenth in a log)
+                with Bar(total or 0, f"hellaswag_{split}.jsonl", "bytes") as bar:
                     for chunk in resp.iter_content(chunk_size=1 << 16):
                         f.write(chunk)
                         bar.update(len(chunk))

@@ -12,7 +12,7 @@ import lora
 from plumbing import ShowDefaults, cache_dir, one_line
 from plumbing.checkpoints import list_checkpoints, load_checkpoint
 from plumbing.inputs import find_shards
-from plumbing import tensor_parallel
+from plumbing import clock, tensor_parallel
 from plumbing.stage_split import check_layout
 
 # -----------------------------------------------------------------------------
@@ -42,7 +42,9 @@ def build_parser(defaults=True):
     a("--weight_decay", type=float, default=d(0.1), help="AdamW's decay of matrices (not biases, gains)")
     a("--grad_clip", type=float, default=d(1.0), help="clip the gradient norm to this")
     a("--eval_interval", type=int, default=d(250), help="steps between val loss measurements")
-    a("--val_tokens", type=int, default=d(10485760), help="val loss is measured on this many tokens")
+    a("--val_tokens", type=int, default=d(None), help="val loss is measured on this many tokens (default: sized to the "
+      "run, a pass a tenth of the time between evaluations: 0.3 x --eval_interval x --total_batch_size, at most "
+      "10485760, build-nanogpt's)")
     a("--hellaswag_interval", type=int, default=d(250), help="0 = off")
     a("--hellaswag_dir", default=d(None), help="HellaSwag cache folder (default: hellaswag.py's)")
     a("--sample_interval", type=int, default=d(250), help="0 = off")
@@ -87,6 +89,9 @@ def build_parser(defaults=True):
       "rank: changing the rank does not change how far a step moves the model)")
     a("--lora_targets", default=d("attn,proj,fc,mlp_proj"), help="the Linear layers of each block that get adapters: "
       "attn (attn.c_attn), proj (attn.c_proj), fc (mlp.c_fc), mlp_proj (mlp.c_proj) (default: all four)")
+    a("--hours", "--time", type=clock.parse_hours, default=d(None), help="train the best model this machine can in "
+      "this time: hours (0.25), or 90m, 2h, 45s. It measures a family of shapes here, then sets the model, steps, "
+      "schedule and intervals, and ends on time; flags given override the plan (docs/training.md) (default: off)")
     a("--seed", type=int, default=d(1337), help="weights' init and data order")
     a("--demo", action="store_true", default=d(False), help="train a small GPT on a local demo corpus")
     return p
@@ -164,11 +169,15 @@ def resolve_args(argv, ranks):
         for layout in ("pp", "pp_schedule", "tp", "parallel"):  # the launch decides the layout: a checkpoint resumes on any
             saved[layout] = given.get(layout, vars(args)[layout])
         args = argparse.Namespace(**saved)
+    clock.check_request(given, saved_args)  # --hours with --max_steps, or with another run's plan
     if not args.resume and (args.demo or (not find_shards(args.data_dir, "train") and "data_dir" not in given)):
         if not args.demo:
             ranks.print0(f"no shards in {args.data_dir}/ (run fineweb.py to make them): running the demo instead")
-        vars(args).update({k: v for k, v in DEMO_ARGS.items() if k not in given})
+        # (--hours: the demo's text, but the plan's model and schedule, in --log_dir)
+        vars(args).update({k: v for k, v in DEMO_ARGS.items() if k not in given and not (args.hours and k == "log_dir")})
         args.demo, args.data_dir = True, cache_dir("demo")
+    if args.hours and saved_args is None:  # the flags the plan must leave as given
+        args.explicit = {k: v for k, v in given.items() if k in clock.PLANNED}
     check_lora_resume(ckpt, ckpt_file, given)
     resolve_layout(args, given, ranks.world_size)
     if args.lora:
@@ -177,6 +186,11 @@ def resolve_args(argv, ranks):
     task = dataloader.read_task(args.data_dir)  # a finetune.py folder, or None: pretraining shards
     if task is not None and saved_args is None:
         ranks.print0(finetuning_defaults(args, given, task, ranks.world_size))
+    if args.hours and (task is not None or args.init_from != "scratch"):
+        raise SystemExit("error: --hours plans a model trained from scratch on pretraining shards (or the demo's text): "
+                         "drop --init_from, or --hours, for task data give --epochs")
+    if args.val_tokens is None:  # sized to the run (clock.val_tokens)
+        args.val_tokens = clock.val_tokens(args.eval_interval, args.total_batch_size, args.seq_len)
     if task is None and args.epochs is not None:
         raise SystemExit(f"error: --epochs is for task data (a finetune.py folder); {args.data_dir} holds pretraining "
                          "shards: use --max_steps")
@@ -240,7 +254,8 @@ def check_args(args, world_size):
     # world = data-parallel replicas x pipeline stages (--pp) x tensor-parallel ranks (--tp)
     replicas = check_layout(args, tensor_parallel.check_layout(args, world_size))
     tokens_per_micro = args.batch_size * args.seq_len * replicas
-    if args.total_batch_size % tokens_per_micro:
+    planned = args.hours and "total_batch_size" not in getattr(args, "explicit", {})
+    if args.total_batch_size % tokens_per_micro and not planned:  # (--hours: checked again once planned)
         raise SystemExit(f"error: --total_batch_size {args.total_batch_size} is not divisible by --batch_size "
                          f"{args.batch_size} x --seq_len {args.seq_len} x {replicas} data-parallel replica(s) = {tokens_per_micro}")
     for flag in ("batch_size", "seq_len", "max_steps", "n_layer", "n_head", "n_embd"):

@@ -12,6 +12,7 @@ live on the machine (launchers, threads, Intel's libraries, memory, signals, saf
 and answer.py generate with the model.
 """
 import argparse
+import itertools
 import json
 import math
 import os
@@ -25,7 +26,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from plumbing import (attention, checkpoints, cpu, inputs, layouts, parts, pipeline, progress, report, sharding,
+from plumbing import (attention, checkpoints, clock, cpu, inputs, layouts, parts, pipeline, progress, report, sharding,
                       speedups, tensor_parallel, world)
 from plumbing.checkpoints import append_log, checkpoint_path, list_checkpoints, load_checkpoint
 from plumbing.fused_loss import IGNORE, lm_head_loss
@@ -353,14 +354,6 @@ def load_model(name_or_path, build=None, merge=True):
     task = dataloader.read_task(name_or_path) if os.path.isdir(name_or_path) else None
     return GPT.from_pretrained(name_or_path, build), task
 
-def print_next_steps(args, ranks):
-    """The demo's last words: where its results went, and what to try next."""
-    ckpt = (list_checkpoints(args.log_dir) or ["(none: --checkpoint_interval 0)"])[-1]
-    ranks.print0(f"\ndemo finished: checkpoint {ckpt}, log {os.path.join(args.log_dir, 'log.txt')}. Next:\n"
-                 f"  python sample.py --ckpt_path {ckpt} --prompt 'def '   # what it learned to write\n"
-                 f"  {os.path.join(args.log_dir, 'report.png')}, report.md    # the loss curves, the run in short\n"
-                 f"  python fineweb.py, then python train_gpt2.py    # the real thing: GPT-2 (124M) on FineWeb-Edu")
-
 # -----------------------------------------------------------------------------
 # The stages of a run. main() at the bottom tells the story; each stage is one function here, and they
 # share one Run: the run's settings, fixed when it starts, and its training state, which the stages set up.
@@ -373,7 +366,7 @@ DIVERGED_LOSS = 2 * math.log(PADDED_VOCAB_SIZE)
 
 class Run:
     """What travels from stage to stage. Fixed when the run starts: the arguments (resolved once, by resolve_args, and
-    never written after, but for the layout --parallel auto picks), this rank, the task (a finetune.py folder's), the
+    never written after, but for the layout --parallel auto picks and --hours' plan), this rank, the task (a finetune.py folder's), the
     layout (sharded?, pipeline?) and the accumulation steps. Then filled by main() with what each stage returns, in
     its order: the device, dtype and IPEX, the data loader, HellaSwag's examples (None: not measured), the lock on
     --log_dir, the model, the optimizer and the wrapped model."""
@@ -384,7 +377,7 @@ class Run:
         self.pipe = None  # --pp's stage and schedule (plumbing/pipeline.py), or --tp's share of every block: its own step
         self.train_loader = self.hellaswag = self.lock = self.device_type = self.dtype = self.autocast = self.ipex = None
         self.raw_model = self.model = self.optimizer = None  # raw_model: the plain GPT; model: what trains
-        self.compiled, self.flops_per_token, self.matmul_rate, self.lora = False, 0, None, None
+        self.compiled, self.flops_per_token, self.matmul_rate, self.lora, self.budget = False, 0, None, None, None
 
     def lay_out(self):
         """What follows from the layout, --shard, --pp and --tp (set again if --parallel auto picks another: choose_layout)."""
@@ -631,7 +624,7 @@ def save_checkpoint(run, step, val_loss, evaluated=True):
         return
     state = {"config": asdict(model.config), "step": step, "args": dict(vars(args)), "loader": run.train_loader.state_dict(),
              "rng": {"torch": torch.get_rng_state()}, "val_loss": val_loss, "task": run.task, "lora": run.lora,
-             "evaluated": evaluated}  # False: stopped by a signal before this step's evaluations
+             "evaluated": evaluated, "budget": run.budget and run.budget.state()}  # evaluated False: stopped by a signal before this step's evaluations
     if run.in_parts:  # every rank writes its part, in the whole model's names: any layout reads it (plumbing/parts.py)
         part = run.pipe.state(optimizer) if run.pipe else checkpoints.state_of(model, optimizer)
         checkpoints.save_sharded(checkpoint_path(args.log_dir, step, sharded=True), part, state, ranks)
@@ -653,7 +646,7 @@ def train_step(run, step):
         loss_accum, norm = run.pipe.step(batches, n_targets, args.grad_clip)
     else:
         loss_accum, norm = accumulate_gradients(run, batches, n_targets)
-    lr = get_lr(step, args.warmup_steps, args.max_steps, args.max_lr, args.min_lr)
+    lr = (run.budget.lr if run.budget else get_lr)(step, args.warmup_steps, args.max_steps, args.max_lr, args.min_lr)
     for group in optimizer.param_groups:
         group["lr"] = lr
     # a non-finite loss or gradient would make every weight NaN; a loss above DIVERGED_LOSS means they blew up:
@@ -739,6 +732,9 @@ def main(argv=None):
     check_args(args, ranks.world_size)
     run = Run(args, ranks, task)
     run.device_type, run.dtype, run.autocast, run.ipex = set_up_machine(run)
+    if args.hours:  # measure this machine, plan the run to end on time (plumbing/clock.py), check the plan's flags
+        run.budget = clock.Budget.plan(run, lambda **c: GPT(GPTConfig(vocab_size=PADDED_VOCAB_SIZE, **c)), ckpt)
+        check_args(args, ranks.world_size)
     choose_layout(run, ckpt)
     run.train_loader, run.hellaswag, run.lock = open_data_and_lock_log_dir(run)
     run.raw_model = build_model(run, ckpt)
@@ -751,10 +747,12 @@ def main(argv=None):
     ranks.print0(f"total batch {args.total_batch_size} tokens = {args.batch_size} x {args.seq_len} x "
                  f"{run.replicas} rank(s) x {run.grad_accum_steps} accumulation steps" + (f" (x {args.pp} stages)" if args.pp > 1 else "")
                  + (f" (x {args.tp} tensor-parallel ranks)" if args.tp > 1 else ""))
+    if run.device_type == "cpu" and not args.hours:  # how long the run will take here, before its first step
+        ranks.print0(progress.forecast(run, start_step))
 
-    skipped, exit_code, first_dt, clock = 0, 0, 0.0, progress.StepClock(args, start_step, ranks.print0)  # (ETA)
-    for step in range(start_step, args.max_steps + 1):
-        last_step = step == args.max_steps
+    skipped, exit_code, first_dt, eta = 0, 0, 0.0, progress.StepClock(args, start_step, ranks.print0)  # (ETA)
+    for step in itertools.count(start_step):  # to args.max_steps, which --hours re-fits to the clock at every step
+        last_step = step >= args.max_steps
         # a resumed run already did the evals and the checkpoint of its first step (unless a signal stopped it)
         periodic = step > start_step or not evaluated
         due = lambda interval: periodic and interval > 0 and (step % interval == 0 or last_step)  # noqa: E731
@@ -770,8 +768,9 @@ def main(argv=None):
         t0 = time.time()
         loss, norm, lr, updated = train_step(run, step)
         dt = time.time() - t0
+        args.max_steps = run.budget.tick(step, t0, t0 + dt) if run.budget else args.max_steps
         ranks.print0(f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm:.4f} | dt {dt * 1000:.0f}ms | "
-                     f"tok/sec {args.total_batch_size / dt:.0f}{run.share_of_matmul_rate(dt)}{clock.tick(step, dt)}")
+                     f"tok/sec {args.total_batch_size / dt:.0f}{run.share_of_matmul_rate(dt)}{eta.tick(step, dt)}")
         append_log(args.log_dir, ranks, f"{step} train {loss:.6f}", f"{step} tok/s {args.total_batch_size / dt:.0f}")
         first_dt = dt if step == start_step else first_dt
         if run.compiled and step == start_step + 1:  # the first step's extra time went to compiling (0 if cached)
@@ -792,7 +791,7 @@ def main(argv=None):
     if exit_code:
         raise SystemExit(exit_code)
     if args.demo:
-        print_next_steps(args, ranks)
+        ranks.print0(report.next_steps(args.log_dir, list_checkpoints(args.log_dir)))
 
 if __name__ == "__main__":
     world.run_main(main)

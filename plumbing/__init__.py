@@ -18,6 +18,8 @@ but not to read first. One topic per module:
   attention.py    causal attention: our AMX kernel (attention.cpp) where it measures faster than PyTorch's
   inputs.py       what a run reads besides its arguments: the token shards' id check, OpenAI's weights
   progress.py     how long: the step line's elapsed time and ETA, progress lines of long passes
+  clock.py        --hours: the family of shapes measured here, the one chosen for the time, the schedule
+                  that re-fits its last step to the clock
   report.py       every run's picture: log_dir/report.png and report.md from its log.txt (and plot.py's)
 
 This file holds what they all share: one-line errors, the cache folder with its small JSON files, and

@@ -53,11 +53,18 @@ def max_token_id(path, tokens):
         write_json(cache_file, cache)
     return cache[key]
 
+# model.safetensors of each, as the hub lists them: a download says its size before it starts
+HUB_SIZES = {"gpt2": "548 MB", "gpt2-medium": "1.52 GB", "gpt2-large": "3.25 GB", "gpt2-xl": "6.43 GB"}
+
 def pretrained_files(name_or_path, hub_names):
-    """(config.json, model.safetensors) of OpenAI's GPT-2 on the Hugging Face hub, or in a local folder."""
+    """(config.json, model.safetensors) of OpenAI's GPT-2 on the Hugging Face hub, or in a local folder. A download
+    (not in the hub's cache yet) is announced with its size first; huggingface_hub shows its progress."""
     names = ("config.json", "model.safetensors")
     if name_or_path in hub_names:
-        from huggingface_hub import hf_hub_download  # honours HF_HOME, HF_HUB_OFFLINE, HF_ENDPOINT
+        from huggingface_hub import hf_hub_download, try_to_load_from_cache  # honours HF_HOME, HF_HUB_OFFLINE, HF_ENDPOINT
+        if not isinstance(try_to_load_from_cache("openai-community/" + name_or_path, names[1]), str):
+            print(f"downloading openai-community/{name_or_path}'s weights from the Hugging Face hub "
+                  f"({HUB_SIZES.get(name_or_path, 'size unknown')}), once: then they are read from its cache", flush=True)
         try:
             config_file, weights_file = (hf_hub_download("openai-community/" + name_or_path, f) for f in names)
         except Exception as e:

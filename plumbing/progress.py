@@ -1,6 +1,8 @@
 """
 How long: every long phase of a run says how far it is and when it will end.
 
+  forecast    before the first step: how long the run's steps will take here, from its FLOPs and this
+              CPU's measured matmul rate (naming --hours when that is more than an hour)
   StepClock   the step line's `elapsed` and `ETA`, and a note at the start when the plan takes more
               than a day on this machine
   Bar         a long pass (validation, HellaSwag) as a progress bar on a terminal, and as a line
@@ -25,6 +27,24 @@ def duration(seconds):
     if s < DAY:
         return f"{s // 3600}h{s % 3600 // 60:02d}m"
     return f"{s // DAY}d{s % DAY // 3600:02d}h"
+
+# -----------------------------------------------------------------------------
+# Before the first step: a forecast
+
+MATMUL_SHARE = 0.6  # a training step reaches 60-90% of this CPU's measured matmul rate (docs/performance.md)
+
+def forecast(run, start_step):
+    """'time: ...' how long the run's steps will take here: their FLOPs (cpu.flops_per_token, on each replica) at
+    MATMUL_SHARE of the matmul rate measured for the model's width and dtype (run.share_of_matmul_rate measures it,
+    once); evaluations not counted. A run longer than an hour names --hours."""
+    run.share_of_matmul_rate(float("inf"))  # (a step of no speed: only sets run.flops_per_token, run.matmul_rate)
+    a, rate = run.args, run.matmul_rate
+    steps = max(a.max_steps - start_step, 0)
+    seconds = steps * a.total_batch_size / run.replicas * run.flops_per_token / (rate.gflops * 1e9 * MATMUL_SHARE)
+    ends = time.strftime("%Y-%m-%d %H:%M", time.localtime(time.time() + seconds))
+    line = (f"time: {steps} steps of {a.total_batch_size:,} tokens take about {duration(seconds)} here (ends {ends}; "
+            f"estimated at {MATMUL_SHARE:.0%} of this CPU's {rate.name} matmul rate, {rate.gflops:.0f} GFLOP/s)")
+    return line + ("; --hours H trains the best model H hours allow" if seconds > 3600 and hasattr(a, "hours") else "")
 
 # -----------------------------------------------------------------------------
 # The step line's clock
@@ -85,8 +105,8 @@ class Bar:
 
     def update(self, n=1):
         self.n += n
-        if self.tqdm is not None:
-            self.tqdm.update(n)
+        if self.tqdm is not None or not self.enabled:  # (a total of 0, unknown: nothing to show)
+            self.tqdm and self.tqdm.update(n)
             return
         tenth = self.n * 10 // self.total  # how many tenths are done
         spent = time.time() - self.started

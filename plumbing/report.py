@@ -181,3 +181,11 @@ def summary(run, curves):
     if getattr(run, "samples", None):
         lines += ["", "## Samples, from the last evaluation that drew them", "", "```", *run.samples, "```"]
     return "\n".join(lines) + "\n"
+
+def next_steps(log_dir, checkpoints):
+    """The demo's last words: where its results went (checkpoints: the run's, oldest first), and what to try next."""
+    ckpt = (checkpoints or ["(none: --checkpoint_interval 0)"])[-1]
+    return (f"\ndemo finished: checkpoint {ckpt}, log {os.path.join(log_dir, 'log.txt')}. Next:\n"
+            f"  python sample.py --ckpt_path {ckpt} --prompt 'def '   # what it learned to write\n"
+            f"  {os.path.join(log_dir, 'report.png')}, report.md    # the loss curves, the run in short\n"
+            f"  python fineweb.py, then python train_gpt2.py    # the real thing: GPT-2 (124M) on FineWeb-Edu")

@@ -256,3 +256,16 @@ def test_cli_downloads_and_evaluates_a_checkpoint(server, tmp_path):
     # bad input: one clear line, before any model is loaded
     proc = subprocess.run(cmd[:3] + [str(tmp_path / "missing.pt")], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: -m ")
+
+
+def test_a_download_says_its_size_and_shows_progress_in_a_log(server, tmp_path, capsys, monkeypatch):
+    from plumbing import progress
+    monkeypatch.setattr(progress, "QUIET_S", 0)  # (a real download shows lines once it has run 10 s)
+    base, www, requested = server
+    write_hellaswag(www / "data", EXAMPLES)
+    size = (www / "data" / "hellaswag_val.jsonl").stat().st_size
+    hellaswag.download("val", data_dir=str(tmp_path / "cache"), base_url=base)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == (f"downloading {base}hellaswag_val.jsonl ({size / 1e6:.1f} MB), once, into "
+                      f"{tmp_path / 'cache' / 'hellaswag_val.jsonl'}")
+    assert out[-1].startswith(f"hellaswag_val.jsonl: 100% ({size}/{size} bytes)")

@@ -48,14 +48,19 @@ def test_long_passes_print_a_line_every_tenth(tmp_path):
 def test_a_plan_longer_than_a_day_says_so_once(tmp_path):
     out = run_patched(tmp_path, tiny_run_args(make_shards(tmp_path / "data"), tmp_path / "log"), day=1e-6)
     notes = re.findall(r"^note: this run's plan, 6 steps of 256 tokens, takes about \d+s on this machine at the "
-                       r"speed of its first steps \(ends [\d-]+ [\d:]+\): more than a day$", out, re.M)
-    assert len(notes) == 1 and "--hours" not in out  # (no such flag yet: no remedy named)
+                       r"speed of its first steps \(ends [\d-]+ [\d:]+\): more than a day; --hours H trains the best "
+                       r"model H hours allow$", out, re.M)
+    assert len(notes) == 1  # (and names --hours, the remedy)
     assert out.index("step     1 |") < out.index(notes[0]) < out.index("step     2 |")  # measured from steps 1, 2
 
 
 def test_short_passes_stay_quiet(tmp_path):
     out = run_train(tiny_run_args(make_shards(tmp_path / "data"), tmp_path / "log")).stdout
     assert len(STEP_LINE.findall(out)) == 6 and "validation: " not in out and "note: " not in out
+    # but how long the run will take is said before its first step (and its first val pass)
+    forecast = re.search(r"^time: 6 steps of 256 tokens take about \d+s here \(ends [\d-]+ [\d:]+; estimated at 60% "
+                         r"of this CPU's fp32 matmul rate, \d+ GFLOP/s\)$", out, re.M)
+    assert forecast and forecast.start() < out.index("validation loss") < out.index("step     0")
 
 
 def test_the_eta_counts_steps_and_evaluations(monkeypatch):
@@ -90,3 +95,16 @@ def test_a_bar_in_a_log_prints_each_tenth_on_rank_0_only(capsys, monkeypatch):
                 bar.update(1)
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(" (")[0] for line in lines] == [f"pass: {p}%" for p in (12, 20, 32, 40, 52, 60, 72, 80, 92, 100)]
+
+
+def test_a_weights_download_says_its_size_once(monkeypatch, capsys):
+    """OpenAI's weights not in the hub's cache: one line with their size, then huggingface_hub's own progress."""
+    import huggingface_hub
+    from plumbing import inputs
+    cached = {}
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, f: cached.get((repo, f)))
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, f: cached.setdefault((repo, f), f"/hub/{f}"))
+    assert inputs.pretrained_files("gpt2-xl", ("gpt2-xl",)) == ("/hub/config.json", "/hub/model.safetensors")
+    inputs.pretrained_files("gpt2-xl", ("gpt2-xl",))  # cached now: nothing said
+    assert capsys.readouterr().out == ("downloading openai-community/gpt2-xl's weights from the Hugging Face hub "
+                                       "(6.43 GB), once: then they are read from its cache\n")

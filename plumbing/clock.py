@@ -1,0 +1,256 @@
+"""
+--hours: the best model this machine can train in the time given, and a schedule that ends on time.
+
+  parse_hours   '0.25' (hours), '90m', '2h', '45s' -> hours; anything not above zero is one error line
+  family        the shapes to choose from: GPT-2's blocks, depth d, width 64 d, d heads of 64 (nanochat's
+                depth-scaled recipe), GPT-2's vocabulary with its tied lm_head, context 128 d (at most 1024)
+  choose        the shape, tokens and schedule for a budget, from measured step times (a pure function)
+  Budget        measures those step times here, then, every step, re-fits the last step to the clock and
+                gives the learning rate (warmup, stable, then a decay that starts from the clock)
+
+The rule (choose). A shape trained for D tokens is predicted to reach Chinchilla's fitted loss
+(Hoffmann et al. 2022, approach 3)
+
+    L(N, D) = 1.69 + 406.4 / N^0.34 + 410.7 / D^0.28
+
+with N its non-embedding parameters (12 d width^2: the blocks; Kaplan et al. 2020 found those, not the
+embedding, predict the loss) and D = the tokens/s measured here x the seconds left for training. The
+shape with the lowest L wins. For a fixed FLOP count 6 N D this fit is lowest near 20 tokens a
+parameter at 1e17 FLOPs, Chinchilla's rule (16 at 6e15, 50 at 1e21: the fit's ratio grows slowly); here D comes from the speed measured on this CPU, where GPT-2's 50304 x
+width lm_head makes the small shapes slower than 6 N says, so the rule picks from measured rates, not
+from FLOPs. The learning rate is GPT-2's 6e-4 at width 768, scaled as 1 / width (muP's rule for Adam),
+at most 3e-3 (the demo's, at width 128); the batch about 1/500 of the tokens (a few hundred steps), a
+power of two times a micro-batch of 2048 tokens (halved, down to one row, when that gives under 300 steps).
+
+The step times are measured eagerly (a compiled run is faster: the re-fit below gives it the steps).
+
+The schedule: warmup for 5% of the planned steps, then the peak learning rate until the clock reaches
+(1 - DECAY) of the budget, then a linear decay to --min_lr (0 unless given) over the steps left. At
+every step the last step is re-fitted: the seconds left (less the final evaluation's, as long as the
+longest pause so far) over the mean time a step has taken, evaluations included. So a run that slows
+down decays and stops earlier, one that speeds up trains longer, and both end at the budget.
+"""
+import math
+import os
+import re
+import time
+
+import torch
+
+from plumbing.progress import STARTED, duration
+
+# the family: depths; the fit's constants (Hoffmann et al. 2022, approach 3)
+DEPTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24)
+E, A, B, ALPHA, BETA = 1.69, 406.4, 410.7, 0.34, 0.28
+MICRO_TOKENS = 2048  # tokens of one micro-batch (rows of the shape's context)
+STEPS_FOR_BATCH = 500  # the batch is sized for about this many steps
+MIN_STEPS = 200  # a budget must give the smallest shape this many steps of a quarter micro-batch (512 tokens)
+FEW_STEPS = 300  # a short budget's micro-batch is halved (to one row) until it gives at least this many steps
+DECAY = 0.2  # the last 20% of the budget decays the learning rate (Hagele et al. 2024: as good as cosine)
+EVAL_SHARE = 0.03  # a val pass takes this share of the time between evaluations (all of them: ~3% of the run)
+EVALS = 10  # evaluations in a run, besides the first
+PROBE_SHARE = 0.06  # measuring stops growing the shape (after two) before it would take more of the budget
+PROBE_STEPS = 3  # timed steps of each shape, after one that warms up
+EXIT_S = 5.0  # the final report, the same-weights check and the interpreter's exit
+PLANNED = ("n_layer", "n_head", "n_embd", "block_size", "seq_len", "batch_size", "total_batch_size", "max_steps",
+           "warmup_steps", "max_lr", "min_lr", "eval_interval", "val_tokens", "checkpoint_interval", "sample_interval",
+           "hellaswag_interval", "compile")
+
+def parse_hours(text):
+    """--hours / --time: '0.25' (hours), '90m', '2h', '45s' -> hours (a float). Not above zero: one error line."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*([hms]?)\s*", str(text))
+    if not m:
+        raise SystemExit(f"error: --hours {text}: give hours (0.25) or a time with its unit (90m, 2h, 45s)")
+    hours = float(m.group(1)) / {"h": 1, "": 1, "m": 60, "s": 3600}[m.group(2)]
+    if not hours > 0:
+        raise SystemExit(f"error: --hours {text}: the time must be above zero")
+    return hours
+
+def check_request(given, saved_args):
+    """The flags' conflicts with --hours, before any work: --max_steps (the plan sets it: give one), and a resumed
+    run's plan (a --resume keeps the run's budget and shape: another --hours would be another plan)."""
+    if "hours" in given and "max_steps" in given:
+        raise SystemExit("error: --hours and --max_steps both set the run's length: drop --max_steps (the plan "
+                         "re-fits the steps to the clock) or drop --hours")
+    if saved_args is not None and "hours" in given and given["hours"] != saved_args.get("hours"):
+        was = saved_args.get("hours")
+        raise SystemExit(f"error: --resume: the run was planned for {f'--hours {was:g}' if was else 'no --hours'}, "
+                         f"not --hours {given['hours']:g}: resume it without --hours (or start a new --log_dir)")
+
+def shape(depth):
+    """The family's shape of this depth, as GPTConfig's fields (less the vocabulary)."""
+    return dict(n_layer=depth, n_head=depth, n_embd=64 * depth, block_size=min(1024, 128 * depth))
+
+def blocks_params(depth):
+    """N of the rule: the blocks' parameters, 12 width^2 a block (attention 4, MLP 8)."""
+    s = shape(depth)
+    return 12 * s["n_layer"] * s["n_embd"] ** 2
+
+def predicted_loss(n, tokens):
+    return E + A / n ** ALPHA + B / max(tokens, 1.0) ** BETA
+
+def choose(step_s, train_s, explicit=None, replicas=1):
+    """The plan from measured step times. step_s: {depth: seconds of one training step of MICRO_TOKENS}; train_s:
+    the seconds left for training steps (evaluations not included). explicit: {flag: value} the user gave, which
+    win, and what follows from them too (a given --n_layer picks that depth). replicas: data-parallel ranks, each
+    a micro-batch a micro-step (step_s is already the job's). Returns (depth, the flags planned)."""
+    explicit = explicit or {}
+    rates = {d: MICRO_TOKENS / s for d, s in step_s.items()}
+    if explicit.get("n_layer") in rates:
+        depth = explicit["n_layer"]
+    else:
+        depth = min(rates, key=lambda d: predicted_loss(blocks_params(d), rates[d] * train_s))
+    tokens, plan = rates[depth] * train_s, {}
+    put = lambda **kw: plan.update({k: explicit.get(k, v) for k, v in kw.items()})  # noqa: E731
+    put(**shape(depth))
+    put(seq_len=plan["block_size"])
+    rows = max(1, MICRO_TOKENS // plan["seq_len"])
+    while rows > 1 and tokens / (rows * plan["seq_len"] * replicas) < FEW_STEPS:
+        rows //= 2
+    put(batch_size=rows)
+    micro = plan["batch_size"] * plan["seq_len"] * replicas
+    grow = max(0, int(math.log2(max(tokens / STEPS_FOR_BATCH / micro, 1))))
+    put(total_batch_size=min(micro << grow, max(micro, 2 ** 19 // micro * micro)))
+    steps = max(1, int(tokens // plan["total_batch_size"]))
+    put(max_steps=steps, warmup_steps=max(1, steps // 20), min_lr=0.0, max_lr=min(3e-3, 6e-4 * 768 / plan["n_embd"]))
+    put(eval_interval=max(1, plan["max_steps"] // EVALS))
+    put(val_tokens=val_tokens(plan["eval_interval"], plan["total_batch_size"], plan["seq_len"], EVAL_SHARE),
+        checkpoint_interval=plan["eval_interval"] * 5, sample_interval=plan["eval_interval"] * 5,
+        hellaswag_interval=0, compile=train_s >= 3600)  # (a cold torch.compile costs a minute or more)
+    return depth, plan
+
+def val_tokens(eval_interval, total_batch_size, seq_len, share=0.1, most=10485760):
+    """Val tokens whose pass takes `share` of the time between evaluations: a token's forward is about a third of
+    its training step (2 of 6 FLOPs a parameter), so 3 x share x the tokens trained between evaluations; at most
+    `most` (build-nanogpt's 8-GPU figure), at least one row."""
+    return max(seq_len, min(most, int(3 * share * eval_interval * total_batch_size) // seq_len * seq_len))
+
+def time_step(build, depth, dtype_autocast, device="cpu", steps=None):
+    """Seconds of one training step (forward, backward, fused AdamW) of a micro-batch of MICRO_TOKENS, at this
+    depth, the best of `steps` (PROBE_STEPS) after one that warms up (oneDNN's kernels, the allocator): the best,
+    as a busy machine only ever slows a step down."""
+    steps = steps or PROBE_STEPS
+    s = shape(depth)
+    rows = max(1, MICRO_TOKENS // s["block_size"])
+    torch.manual_seed(0)
+    model = build(**s).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.split(":")[0] in ("cpu", "cuda", "xpu"))
+    x = torch.randint(0, 50257, (rows, s["block_size"]), device=device)
+    best = float("inf")
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        with dtype_autocast:
+            _, loss = model(x, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0) if i else best
+    return best
+
+def process_start():
+    """When this process started (Linux's /proc), else when plumbing was imported: the budget counts it all."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return min(STARTED, boot + ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return STARTED
+
+class Budget:
+    """A --hours run's clock. plan() measures and chooses (a fresh run) or takes the saved plan (a resumed one);
+    tick() after each step re-fits the last step; lr() is the schedule. All ranks agree: the step times measured
+    and the re-fitted end are averaged over them (one small all-reduce each)."""
+
+    def __init__(self, hours, ranks, used_s=0.0, decay_from=None):
+        self.seconds, self.ranks = hours * 3600, ranks
+        self.start = self.agree([process_start()])[0]  # (ranks start a moment apart: they agree on one start)
+        self.deadline = self.start + self.seconds - used_s  # (resumed: the time the earlier processes used is gone)
+        self.used_before, self.decay_from = used_s, decay_from
+        self.loop_start = self.last_end = None
+        self.steps_done, self.pause_s = 0, 0.0
+
+    def agree(self, values):
+        """The mean of each value over the ranks (every rank calls this at the same point)."""
+        if self.ranks.world_size == 1:
+            return values
+        t = self.ranks.all_reduce_sum(torch.tensor(values, dtype=torch.float64, device=self.ranks.device))
+        return (t / self.ranks.world_size).tolist()
+
+    def state(self):
+        """What a checkpoint keeps: the seconds used so far, and the step the decay started at."""
+        return {"used_s": self.used_before + time.time() - self.start, "decay_from": self.decay_from}
+
+    def lr(self, step, warmup_steps, max_steps, max_lr, min_lr):
+        """Warmup-stable-decay, in get_lr's arguments: linear warmup, max_lr until tick() starts the decay from the
+        clock, then linear to min_lr at max_steps (re-fitted as the run goes)."""
+        if self.decay_from is None:
+            return max_lr * min(1.0, (step + 1) / max(warmup_steps, 1))
+        left = max(max_steps - self.decay_from, 1)
+        return min_lr + (max_lr - min_lr) * max(0.0, 1 - (step + 1 - self.decay_from) / left)
+
+    def tick(self, step, started_s, ended_s):
+        """After step `step` ran from started_s to ended_s (time.time()): the re-fitted last step (the run ends after
+        it, with the final evaluation and checkpoint); the decay starts here once the clock says so."""
+        if self.loop_start is None:
+            self.loop_start = started_s
+        elif self.last_end is not None:
+            self.pause_s = max(self.pause_s, started_s - self.last_end)  # an evaluation, a checkpoint
+        self.last_end, self.steps_done = ended_s, self.steps_done + 1
+        per_step = (ended_s - self.loop_start) / self.steps_done  # evaluations included
+        left = self.deadline - ended_s - self.pause_s - EXIT_S
+        end, decaying = self.agree([step + 1 + max(0.0, left) / per_step, float(
+            ended_s - self.start + self.used_before >= (1 - DECAY) * self.seconds)])
+        if decaying and self.decay_from is None:
+            self.decay_from = step + 1
+        return max(step + 1, int(end))
+
+    @classmethod
+    def plan(cls, run, build, ckpt=None):
+        """A fresh run: measure the family here (build(**shape) makes a GPT), choose, write the plan into run.args
+        (what was not given) and print it as one line. Resumed (ckpt: its checkpoint): its plan stands, its clock
+        goes on."""
+        args, ranks = run.args, run.ranks
+        if ckpt is not None and ckpt.get("budget"):
+            return cls(args.hours, ranks, ckpt["budget"]["used_s"], ckpt["budget"]["decay_from"])
+        budget, explicit, step_s = cls(args.hours, ranks), args.explicit, {}
+        for depth in DEPTHS:
+            if explicit.get("n_layer", depth) != depth and depth > min(DEPTHS):
+                continue  # (the smallest is always timed: it says whether the budget is long enough)
+            step, spent = budget.agree([time_step(build, depth, run.autocast, ranks.device), time.time() - budget.start])
+            step_s[depth] = step / run.replicas  # (every rank decides from the same numbers: they stay in step)
+            if depth == min(DEPTHS):
+                check_long_enough(budget.seconds, spent, step_s[depth], args.hours)
+            next_probe = (PROBE_STEPS + 1) * step_s[depth] * 2  # (about: the next shape's steps are slower)
+            if (len(step_s) > 1 and spent + next_probe > PROBE_SHARE * budget.seconds
+                    or step_s[depth] * FEW_STEPS > budget.seconds - spent):
+                break  # (the next shape's probe would take measuring past its share, or this one could not train enough)
+        if explicit.get("n_layer", min(DEPTHS)) not in step_s:
+            step, spent = budget.agree([time_step(build, explicit["n_layer"], run.autocast, ranks.device),
+                                        time.time() - budget.start])
+            step_s[explicit["n_layer"]] = step / run.replicas
+        train_s = (budget.seconds - spent - EXIT_S) * (1 - EVAL_SHARE * 1.5)  # (the evaluations, the final one)
+        depth, plan = choose(step_s, train_s, explicit, run.replicas)
+        vars(args).update(plan)
+        run.lay_out()
+        ends = time.strftime("%H:%M:%S", time.localtime(budget.deadline))
+        given = " ".join(f"--{k}" for k in sorted(explicit)) or "none"
+        ranks.print0(f"plan: {args.n_layer} layers x {args.n_embd} wide ({args.n_head} heads, context "
+                     f"{args.block_size}), {blocks_params(depth) / 1e6:.2f}M block parameters, "
+                     f"{args.max_steps * args.total_batch_size / 1e6:.2f}M tokens in ~{args.max_steps} steps of "
+                     f"{args.total_batch_size}, lr {args.max_lr:.2g}, ends by {ends} ({duration(budget.seconds)} in all); "
+                     f"measured tokens/s: {', '.join(f'{d} layers {MICRO_TOKENS / s:.0f}' for d, s in step_s.items())}; "
+                     f"flags given that override it: {given}")
+        return budget
+
+def check_long_enough(seconds, spent, step_s, hours):
+    """One error line when the budget cannot give the smallest shape MIN_STEPS steps (with the time already spent
+    starting up and measuring, and the evaluations); it names the shortest budget that can, here."""
+    need = (spent + MIN_STEPS * step_s / 4 + EXIT_S) / (1 - EVAL_SHARE * 1.5 - PROBE_SHARE)
+    if seconds < need:
+        raise SystemExit(f"error: --hours {hours:g} ({duration(seconds)}) is too short: the smallest model of the family "
+                         f"needs about {duration(need)} here for {MIN_STEPS} steps; give at least --time "
+                         f"{math.ceil(need / 60)}m")
