@@ -28,10 +28,12 @@ def test_what_each_layout_holds_and_sends():
     p = planned()
     P = layouts.parameters(GPT2)[0]
     assert abs(P - 124.48e6) < 0.1e6  # GPT-2 (124M) with the padded vocabulary, lm_head tied
-    # memory: DDP holds everything; ZeRO-2 shards the gradients' and AdamW's state; FSDP the weights too; a
-    # pipeline of 3 holds a stage (the ends hold the embeddings or lm_head's copy of them)
-    assert p["dp"].memory > p["fsdp_grads"].memory > p["fsdp"].memory
-    assert p["fsdp"].memory < p["pp3"].memory < 0.7 * p["dp"].memory
+    # memory: DDP holds everything; ZeRO-2 shards AdamW's state and keeps the weights whole for the step; FSDP shards
+    # the weights too, but both keep the gradients whole until the last micro-step (gradient sync off before it):
+    # measured, GPT-2 medium's shape on 2 ranks in bf16, FSDP's peak 6.26 GiB above ZeRO-2's 5.63 (docs/parallel.md);
+    # a pipeline of 3 holds a stage (the ends hold the embeddings or lm_head's copy of them)
+    assert p["dp"].memory > p["fsdp"].memory > p["fsdp_grads"].memory
+    assert p["pp3"].memory < 0.7 * p["dp"].memory
     # bytes: DDP's ring all-reduce of fp32 gradients, 2 (W-1)/W x 4P; FSDP gathers every weight twice a micro-step,
     # ZeRO-2 once a step, and both reduce-scatter the gradients once a step (on gloo: an all-reduce, 2 (W-1)/W)
     assert p["dp"].sent == pytest.approx(2 * 2 / 3 * 4 * P)
@@ -181,7 +183,7 @@ def test_auto_keeps_ddp_where_it_fits_and_picks_and_trains_another_where_not(dat
     # memory for every layout but DDP: another layout, chosen by prediction, trains the one-process model
     config = GPTConfig(block_size=64, vocab_size=PADDED_VOCAB_SIZE, n_layer=4, n_head=2, n_embd=32)
     p = planned(config, world=2, rows=2, seq_len=32, tokens=384)
-    free = 1.02 * max(l.memory for l in p.values() if l.memory < p["dp"].memory) / layouts.HEADROOM
+    free = 1.02 * min(l.memory for l in p.values() if l.memory < p["dp"].memory) / layouts.HEADROOM
     assert p["dp"].memory > layouts.HEADROOM * free
     short = tmp_path / "short"
     proc = run_launched(tiny_run_args(data, short, *EQUAL, "--max_memory", f"{free / 2**30:.6f}"), torchrun(2), clean_env())
