@@ -145,7 +145,9 @@ def compile_model(model, memory_budget=None):
     torch._functorch.config.activation_memory_budget = memory_budget or ACTIVATION_MEMORY_BUDGET
     # a tensor-parallel graph holds its process group (a script object, for DTensor's collectives), which the
     # partitioner that picks what backward recomputes cannot size: it holds no activations, so zero is its size
-    torch._functorch.config.unsafe_treat_script_objects_as_zero_size = True
+    # (a setting torch 2.8, the IPEX lane's, does not have yet)
+    if hasattr(torch._functorch.config, "unsafe_treat_script_objects_as_zero_size"):
+        torch._functorch.config.unsafe_treat_script_objects_as_zero_size = True
     return torch.compile(model)
 
 def will_compile(flag, device_type):
