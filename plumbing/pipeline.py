@@ -197,7 +197,7 @@ class Pipeline:
         """This stage's weights and AdamW state as DCP writes and reads them: the whole model's names, the tied weight
         under both of its names on both its stages (written once: they hold it alike), its moments under wte's; split
         (--tp), c_attn's rows as their blocks of the whole (tensor_parallel.as_pieces), unless not pieces."""
-        from plumbing import checkpoints, parts, tensor_parallel
+        from plumbing import checkpoints, parts
         state = checkpoints.state_of(self.stage.gpt, optimizer)
         model, moments = state["model"], state["optimizer"]["state"]
         for mine, other in (("transformer.wte.weight", "lm_head.weight"), ("lm_head.weight", "transformer.wte.weight")):
@@ -207,13 +207,18 @@ class Pipeline:
             moments["transformer.wte.weight"] = moments.pop("lm_head.weight")
         state["optimizer"]["param_groups"] = parts.one_process_groups(parts.trained_names(self.whole_model()),
                                                                       optimizer.param_groups)
-        return tensor_parallel.as_pieces(state, self.config.n_embd, self.tp, self.tp_group) if pieces and self.tp > 1 else state
+        return self.as_pieces(state) if pieces else state
+
+    def as_pieces(self, state):
+        """state as DCP should see it: split (--tp), c_attn's rows as their blocks of the whole; else as it is."""
+        from plumbing import tensor_parallel
+        return tensor_parallel.as_pieces(state, self.config.n_embd, self.tp, self.tp_group) if self.tp > 1 else state
 
     def load_sharded(self, source, optimizer):
         """A checkpoint of any layout into this stage and its AdamW: a .dcp folder (DCP reads just this stage's
         tensors), or a one-process checkpoint by name (parts.by_name: each tensor's part cut from the whole)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_state_dict
-        from plumbing import parts, tensor_parallel
+        from plumbing import parts
         plain = self.state(optimizer, pieces=False)
         def into(_):  # (what was read went into plain's tensors, in place: the pieces are views of them)
             moments = dict(plain["optimizer"]["state"])
@@ -223,8 +228,7 @@ class Pipeline:
             groups = get_optimizer_state_dict(self.stage.gpt, optimizer)["param_groups"]
             set_state_dict(self.stage.gpt, optimizer, model_state_dict=model,
                            optim_state_dict={"state": moments, "param_groups": groups})
-        split = tensor_parallel.as_pieces(plain, self.config.n_embd, self.tp, self.tp_group) if self.tp > 1 else plain
-        parts.load(source, split, into)
+        parts.load(source, self.as_pieces(plain), into)
 
     def check_same_weights(self, ranks):
         """The end-of-run check (world.check_same_weights), for a model in stages, by digests (plumbing/parts.py): the
