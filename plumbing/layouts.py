@@ -105,12 +105,13 @@ def plan(layout, config, world, rows, seq_len, micro_steps, bf16, budget=None):
         layout.memory = (STATE_BYTES + 4) * P + acts(L) + beyond_state(P, 1, config, bf16)
         layout.sent = sharding.bytes_sent(P, P, world, "none", micro_steps, bf16)
     elif layout.name == "fsdp":  # a share of the state; one block and the embeddings gathered at a time; the gradients
-        whole = 4 * P * (1 - 1 / world) * (micro_steps > 1)  # whole until the last micro-step (sync off: as ZeRO-2's)
-        layout.memory = STATE_BYTES * P / world + 2 * (4 * block + 4 * embeddings) + whole + acts(L) + beyond_state(P / world, 1, config, False)
+        whole = 4 * P * (micro_steps > 1)  # whole until the last micro-step (sync off: as ZeRO-2's), fp32 (reduce_dtype)
+        layout.memory = STATE_BYTES * P / world + 2 * (4 * block + 4 * embeddings) + whole + acts(L) + \
+            beyond_state(P, 1, config, False)  # (every gradient is computed whole: its temporaries, 2 bytes each)
         layout.sent = sharding.bytes_sent(P, P, world, "full", micro_steps, bf16)
         layout.sent_in_blocks = 2 * micro_steps * ring(world, L * block * weight)  # (the embeddings' go over the link)
-    elif layout.name == "fsdp_grads":  # every weight gathered and kept, with its gradient, for the whole step
-        layout.memory = (STATE_BYTES - 8) * P / world + (weight + 4) * P + acts(L) + beyond_state(P / world, 1, config, False)
+    elif layout.name == "fsdp_grads":  # weights and moments sharded; every weight gathered and kept, gradients whole
+        layout.memory = (STATE_BYTES - 4) * P / world + (weight + 4) * P + acts(L) + beyond_state(P, 1, config, False)
         layout.sent = sharding.bytes_sent(P, P, world, "grads", micro_steps, bf16)
     elif layout.name == "tp":  # a 1/tp share of every block's matrices; embeddings, LayerNorms and lm_head whole
         t, dp = layout.tp, world // layout.tp
