@@ -13,7 +13,7 @@ from plumbing import ShowDefaults, cache_dir, one_line
 from plumbing.checkpoints import list_checkpoints, load_checkpoint
 from plumbing.inputs import find_shards
 from plumbing import clock, tensor_parallel
-from plumbing.stage_split import check_layout
+from plumbing.pipeline import check_layout
 
 # -----------------------------------------------------------------------------
 # The flags

@@ -374,7 +374,7 @@ class Run:
     def __init__(self, args, ranks, task):
         self.args, self.ranks, self.task = args, ranks, task
         self.lay_out()
-        self.pipe = None  # --pp's stage and schedule (plumbing/pipeline.py), or --tp's share of every block: its own step
+        self.split_model = None  # the model split over ranks: --pp's Pipeline or --tp's TensorParallel, each with its own step
         self.train_loader = self.hellaswag = self.lock = self.device_type = self.dtype = self.autocast = self.ipex = None
         self.raw_model = self.model = self.optimizer = None  # raw_model: the plain GPT; model: what trains
         self.compiled, self.flops_per_token, self.matmul_rate, self.lora, self.budget = False, 0, None, None, None
@@ -530,9 +530,9 @@ def prepare_training(run, ckpt, ckpt_file):
     the optimizer, whether it is compiled, the first step)."""
     args, ranks, model = run.args, run.ranks, run.raw_model
     if args.pp > 1:  # the model is cut down to this rank's stage
-        run.pipe = pipeline.Pipeline(model, args, ranks, run.grad_accum_steps, ranks.print0, run.dtype)
+        run.split_model = pipeline.Pipeline(model, args, ranks, run.grad_accum_steps, ranks.print0, run.dtype)
     elif args.tp > 1:  # every block split across the tensor-parallel ranks
-        run.pipe = tensor_parallel.TensorParallel(model, args, ranks, run.grad_accum_steps, ranks.print0, run.dtype)
+        run.split_model = tensor_parallel.TensorParallel(model, args, ranks, run.grad_accum_steps, ranks.print0, run.dtype)
     optimizer, fused = model.configure_optimizer(args.weight_decay, args.max_lr, run.device_type)
     ranks.print0(f"optimizer: AdamW, fused={fused}")
     if run.device_type == "cpu" and (line := attention.choose(run.dtype, args.batch_size, model.config.n_head, args.seq_len,
@@ -540,8 +540,8 @@ def prepare_training(run, ckpt, ckpt_file):
         ranks.print0(line)
     start_step = 0
     if ckpt is not None:
-        if run.pipe is not None:  # each stage or share reads its part: of a .dcp, or cut from a one-process .pt
-            run.pipe.load_sharded(parts.source(ckpt, run.pipe.whole_model()), optimizer)
+        if run.split_model is not None:  # each stage or share reads its part: of a .dcp, or cut from a one-process .pt
+            run.split_model.load_sharded(parts.source(ckpt, run.split_model.whole_model()), optimizer)
         elif ckpt["sharded_path"]:  # any number of ranks, sharded or not: each reads what it holds
             checkpoints.load_sharded(ckpt["sharded_path"], model, optimizer)
         elif run.sharded:
@@ -552,7 +552,7 @@ def prepare_training(run, ckpt, ckpt_file):
         torch.set_rng_state(ckpt["rng"]["torch"])
         start_step = ckpt["step"]
         ranks.print0(f"resumed from {ckpt_file} at step {start_step}")
-    if run.ipex is not None and (run.sharded or run.pipe is not None):
+    if run.ipex is not None and (run.sharded or run.split_model is not None):
         run.ipex = None
     if run.ipex is not None and run.device_type == "cpu":  # right at this run's shapes? faster?
         run.ipex, line = speedups.decide_ipex(run.ipex, args.ipex, run.dtype, model.transformer.h[0], args.batch_size,
@@ -566,13 +566,13 @@ def prepare_training(run, ckpt, ckpt_file):
     if args.compile:  # a pipeline's stage, tensor parallel's split model: compiled in place (their step runs them)
         keep_packed_attention_eager()
         compile = lambda m: speedups.compile_if_possible(m, run.ipex, run.device_type, ranks.print0)  # noqa: E731
-        model, compiled = (model, run.pipe.compile(compile)) if run.pipe else compile(model)
+        model, compiled = (model, run.split_model.compile(compile)) if run.split_model else compile(model)
     if ranks.world_size > 1:  # the same checkpoint on every rank: DDP copies rank 0's weights, but nothing else
         world.check_same_start(ranks, start_step)
-    if ranks.world_size > 1 and not run.sharded and run.pipe is None:  # DDP averages the gradients during backward, bucket by bucket
+    if ranks.world_size > 1 and not run.sharded and run.split_model is None:  # DDP averages the gradients during backward, bucket by bucket
         from torch.nn.parallel import DistributedDataParallel as DDP
         model = DDP(model, device_ids=[ranks.local_rank] if run.device_type == "cuda" else None)
-    if ranks.world_size > 1 and run.pipe is None:  # what each rank will send a step (bench/bench_parallel.py measures it)
+    if ranks.world_size > 1 and run.split_model is None:  # what each rank will send a step (bench/bench_parallel.py measures it)
         ranks.print0(sharding.plan_line(run.raw_model, ranks.world_size, args.shard, run.grad_accum_steps,
                                          run.dtype == "bf16", torch.distributed.get_backend()))
     return model, optimizer, compiled, start_step
@@ -589,7 +589,7 @@ def evaluate(run, step, due):
             for batch in progress.each(batches, "validation", "batches", ranks.master):  # (a bar, or a line a tenth)
                 x, y, packed = batch if batch is not None else (torch.zeros(1, args.seq_len, dtype=torch.long),) * 2 + (None,)
                 with run.autocast:
-                    _, loss = (run.pipe or model)(x.to(ranks.device), y.to(ranks.device), packed=packed and packed.to(ranks.device))
+                    _, loss = (run.split_model or model)(x.to(ranks.device), y.to(ranks.device), packed=packed and packed.to(ranks.device))
                 counted = int((y != IGNORE).sum()) * (batch is not None)
                 stats += torch.tensor([loss.item() * counted, counted], dtype=torch.float64, device=ranks.device)
         total, count = ranks.all_reduce_sum(stats).tolist()
@@ -597,7 +597,7 @@ def evaluate(run, step, due):
             val_loss = total / count
             ranks.print0(f"validation loss: {val_loss:.4f}")
             append_log(args.log_dir, ranks, f"{step} val {val_loss:.4f}")
-        if run.task is not None and run.task["splits"]["val"]["examples"] and run.pipe is None:  # do the answers come out right?
+        if run.task is not None and run.task["splits"]["val"]["examples"] and run.split_model is None:  # do the answers come out right?
             n = min(args.task_examples, run.task["splits"]["val"]["examples"])
             import answer
             acc, _ = answer.task_accuracy(model, args.data_dir, run.autocast, n=n, ranks=ranks,
@@ -608,7 +608,7 @@ def evaluate(run, step, due):
         import hellaswag
         acc = hellaswag.accuracy_during_training(model, run.hellaswag, ranks, run.dtype, args.batch_size)
         append_log(args.log_dir, ranks, f"{step} hella {acc:.4f}")
-    if due(args.sample_interval) and (step > 0 or step == args.max_steps) and (ranks.master or run.sharded) and not run.pipe:
+    if due(args.sample_interval) and (step > 0 or step == args.max_steps) and (ranks.master or run.sharded) and not run.split_model:
         import sample  # (sharded, every rank generates alongside rank 0, to join the all-gathers of every forward)
         run.samples = sample.print_samples(model, ranks, run.autocast)  # (report.md keeps the last)
     return val_loss
@@ -626,7 +626,7 @@ def save_checkpoint(run, step, val_loss, evaluated=True):
              "rng": {"torch": torch.get_rng_state()}, "val_loss": val_loss, "task": run.task, "lora": run.lora,
              "evaluated": evaluated, "budget": run.budget and run.budget.state()}  # evaluated False: stopped by a signal before this step's evaluations
     if run.in_parts:  # every rank writes its part, in the whole model's names: any layout reads it (plumbing/parts.py)
-        part = run.pipe.state(optimizer) if run.pipe else checkpoints.state_of(model, optimizer)
+        part = run.split_model.state(optimizer) if run.split_model else checkpoints.state_of(model, optimizer)
         checkpoints.save_sharded(checkpoint_path(args.log_dir, step, sharded=True), part, state, ranks)
         return
     if ranks.master:
@@ -642,8 +642,8 @@ def train_step(run, step):
     run.model.train()
     optimizer.zero_grad(set_to_none=True)
     batches, n_targets = run.train_loader.next_step(run.grad_accum_steps)
-    if run.pipe is not None:  # --pp: the schedule runs the micro-batches through the stages (plumbing/pipeline.py)
-        loss_accum, norm = run.pipe.step(batches, n_targets, args.grad_clip)
+    if run.split_model is not None:  # --pp: the schedule runs the micro-batches through the stages; --tp: every share
+        loss_accum, norm = run.split_model.step(batches, n_targets, args.grad_clip)
     else:
         loss_accum, norm = accumulate_gradients(run, batches, n_targets)
     lr = (run.budget.lr if run.budget else get_lr)(step, args.warmup_steps, args.max_steps, args.max_lr, args.min_lr)
@@ -783,10 +783,10 @@ def main(argv=None):
 
     report.update(run, final=True)  # the picture of the whole run
     # DDP's promise: every rank ends with the same weights (a pipeline's: each stage's replicas do)
-    run.pipe.check_same_weights(ranks) if run.pipe else world.check_same_weights(ranks, run.raw_model)
+    run.split_model.check_same_weights(ranks) if run.split_model else world.check_same_weights(ranks, run.raw_model)
     world.report_peak_memory(ranks)
     if ranks.world_size > 1:
-        run.model = run.raw_model = run.optimizer = run.pipe = None  # they hold the group (DDP's reducer, FSDP's mesh): freed first
+        run.model = run.raw_model = run.optimizer = run.split_model = None  # they hold the group (DDP's reducer, FSDP's mesh): freed first
         world.leave_process_group()
     if exit_code:
         raise SystemExit(exit_code)

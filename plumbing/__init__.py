@@ -10,9 +10,12 @@ but not to read first. One topic per module:
                   the optional ways to make a step faster: torch.compile and Intel's IPEX
   checkpoints.py  run folders: checkpoint names, atomic writes, checksums, .pt and .dcp files, the lock
   sharding.py     FSDP2: a GPT split across the ranks, built without any rank holding all of it
-  stage_split.py  where --pp cuts the blocks into stages
-  pipeline.py     pipeline parallel (--pp): a GPT cut into stages on a (dp, pp) mesh, its schedule, its checkpoints
+  stage_split.py  where --pp cuts the blocks into stages, and what each stage then holds and sends
+  stage.py        one pipeline stage as a module: the GPT with the other stages' parts removed
+  pipeline.py     pipeline parallel (--pp): its flags' checks, the stages on a (dp, pp, tp) mesh, its schedule,
+                  its checkpoints
   tensor_parallel.py  tensor parallel (--tp): each block split over ranks
+  parts.py        a rank's part of the model under --pp and --tp: built alone, read by name, digested
   layouts.py      --parallel auto: the layout predicted fastest from measured links and memory
   fused_loss.py   lm_head and the loss, a chunk of positions at a time
   attention.py    causal attention: our AMX kernel (attention.cpp) where it measures faster than PyTorch's

@@ -22,12 +22,12 @@ def build_part(make, args, ranks, init_weights, bf16):
     """make()'s model, as this rank holds it under --pp (its stage) and --tp (its share of every block), built alone:
     on the meta device, cut or split, then given memory for its part only, and filled with exactly the weights one
     process gets for the same seed (sharding.build_in_pieces), or left for a checkpoint's or pretrained weights."""
-    from plumbing import pipeline, sharding, stage_split, tensor_parallel, world
+    from plumbing import pipeline, sharding, stage, stage_split, tensor_parallel, world
     def allocate(model):
         if args.pp > 1:  # (cut as pipeline.Pipeline cuts it)
             index = (ranks.rank // args.tp) % args.pp
             bounds = stage_split.stage_bounds(model.config, args.pp, args.seq_len, pipeline.memory_budget(args), bf16)
-            stage_split.cut_to_stage(model, index, args.pp, bounds[index])
+            stage.cut_to_stage(model, index, args.pp, bounds[index])
         if args.tp > 1:  # (what is left of it split, as tensor_parallel.TensorParallel splits it)
             mesh = world.mesh_of(ranks.world_size, args.pp, args.tp, ranks.device.split(":")[0])
             tensor_parallel.split_model(model, mesh["tp"], args.tp)

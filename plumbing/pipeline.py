@@ -16,7 +16,26 @@ between the first and the last stage), so they stay equal, and gradient clipping
 import torch
 import torch.distributed as dist
 
-from plumbing.stage_split import Side, Stage, Target, plan_line, stage_bounds
+from plumbing.stage import Side, Stage, Target
+from plumbing.stage_split import stage_bounds, stage_plan
+
+def check_layout(args, world_size):
+    """One error line for a layout that cannot run, before anything expensive. Returns the data-parallel size."""
+    pp = args.pp
+    if pp < 1 or world_size % pp:
+        raise SystemExit(f"error: --pp {pp}: the world size {world_size} is not a multiple of the stage count "
+                         f"(world = data-parallel replicas x pipeline stages)")
+    if pp > args.n_layer and args.init_from == "scratch" and not args.resume:
+        raise SystemExit(f"error: --pp {pp}: more stages than the model's {args.n_layer} blocks (--n_layer)")
+    if pp > 1 and args.lora and args.shard != "none" and world_size > pp:
+        raise SystemExit(f"error: --pp {pp} --lora runs with --shard none (sharded stages with adapters: not yet)")
+    dp = world_size // pp
+    steps = args.total_batch_size // max(args.batch_size * args.seq_len * dp, 1)
+    if pp > 1 and args.pp_schedule == "1f1b" and steps < pp:
+        raise SystemExit(f"error: --pp {pp} --pp_schedule 1f1b needs at least {pp} micro-batches a step, and "
+                         f"--total_batch_size {args.total_batch_size} gives {steps} (--batch_size {args.batch_size} x "
+                         f"--seq_len {args.seq_len} x {dp} replica(s)): raise it, or use --pp_schedule gpipe")
+    return dp
 
 def replica_ranks(ranks, pp):
     """This rank as the data loader sees it: its data-parallel replica among the replicas (every stage of a replica
@@ -242,3 +261,30 @@ class Pipeline:
         tp_rank = dist.get_rank(self.tp_group)
         replica, position = (0, (self.index, self.replica)) if self.shard != "none" else (self.replica, (self.index, tp_rank))
         parts.check_same_parts(ranks, self.stage.state_dict(), replica, position, tied)
+
+# -----------------------------------------------------------------------------
+# The plan line: what each stage holds and sends (stage_split.stage_plan), as this run has them
+
+def plan_line(pipe, schedule):
+    """The pipeline's plan: the layout, its bubble, and per stage its blocks, memory and bytes sent a step. Sharded
+    (--shard, dp > 1), a rank holds 1/dp of its stage's weights, gradients and AdamW state, and gathers the rest: for
+    the whole step (grads), or a block at a time in a forward, but kept whole after a backward until the next forward
+    (full: the schedule keeps them, see stage_plan), so that a backward brings all of the stage's weights back whole."""
+    M, N = pipe.n_microbatches, pipe.pp
+    how = f", each stage sharded over its replicas (--shard {pipe.shard})" if pipe.shard != "none" else ""
+    how += f", each stage's blocks split over {pipe.tp} tensor-parallel ranks" if pipe.tp > 1 else ""
+    lines = [f"pipeline: {N} stages x {pipe.dp} data-parallel replica(s){how}, schedule {schedule}, {M} micro-batches "
+             f"a step: bubble (N-1)/(M+N-1) = {(N - 1) / (M + N - 1):.1%}"]
+    plan = stage_plan(pipe.config, pipe.bounds, pipe.batch, pipe.seq_len, M, pipe.dp, pipe.shard, pipe.bf16, pipe.backend,
+                      pipe.tp)
+    share = pipe.dp if pipe.shard != "none" else 1
+    from plumbing.layouts import beyond_state
+    for s, (what, params, sent) in enumerate(plan):
+        gathered = {"none": "", "full": f" (+ {4 * params / 2**30:.3f} GiB: its weights, gathered whole by a backward)",
+                    "grads": f" (+ {4 * params / 2**30:.3f} GiB: its weights, gathered for the step)"}[pipe.shard]
+        peak = 16 * params / share + beyond_state(params / share, (s == 0) + (s == N - 1), pipe.config, pipe.bf16)
+        lines.append(f"  stage {s}: {what}: {params / 1e6:.2f}M parameters, {16 * params / share / 2**30:.3f} GiB of "
+                     f"weights, gradients and AdamW state a rank{gathered}, ~{peak / 2**30:.2f} GiB at its peak (with "
+                     f"the process, temporaries{', bf16 copies' if pipe.bf16 else ''}); each of its ranks sends "
+                     f"{sent / 1e6:.1f} MB a step")
+    return "\n".join(lines)
