@@ -44,11 +44,13 @@ PREFIX = f"gpt2pb{os.getpid() % 100000}"  # every name this run creates starts w
 
 def layouts(n, n_head=12):
     """{name: trainer flags} for n ranks: DDP, FSDP (ZeRO-3, ZeRO-2), a pipeline of n stages, dp x pp for every other
-    split of n, tensor parallel over n ranks (where n divides the heads), and 2 stages of 2 tensor-parallel ranks."""
+    split of n (and its stages sharded, ZeRO-2 within each), tensor parallel over n ranks (where n divides the heads),
+    and 2 stages of 2 tensor-parallel ranks."""
     out = {"ddp": ["--shard", "none"], "full": ["--shard", "full"], "grads": ["--shard", "grads"], f"pp{n}": ["--pp", n]}
     for pp in range(2, n):
         if n % pp == 0:
             out[f"dp{n // pp}xpp{pp}"] = ["--pp", pp]
+            out[f"dp{n // pp}xpp{pp}grads"] = ["--pp", pp, "--shard", "grads"]
     if n_head % n == 0:
         out[f"tp{n}"] = ["--tp", n]
     if n % 4 == 0 and n_head % 2 == 0:  # tensor parallel inside pairs of ranks, a pipeline across them
@@ -56,17 +58,22 @@ def layouts(n, n_head=12):
     return out
 
 def bench_name(short, n):
-    """This benchmark's name for a layout as --parallel auto's line names it (dp, fsdp, fsdp_grads, 'pp N', 'tp N')."""
-    kind, _, degree = short.partition(" ")
-    if kind in ("pp", "tp"):
-        return f"{kind}{degree}" if int(degree) == n else f"dp{n // int(degree)}x{kind}{degree}"
-    return {"dp": "ddp", "fsdp": "full", "fsdp_grads": "grads"}[kind]
+    """This benchmark's name for a layout as --parallel auto's line names it (dp, fsdp, fsdp_grads, 'pp N', 'tp N',
+    'pp N tp T', 'pp N grads')."""
+    words = short.split()
+    if words[0] not in ("pp", "tp"):
+        return {"dp": "ddp", "fsdp": "full", "fsdp_grads": "grads"}[words[0]]
+    degrees = dict(zip(words[0:4:2], map(int, words[1:4:2])))
+    ranks = math.prod(degrees.values())
+    name = "x".join(f"{kind}{d}" for kind, d in degrees.items())
+    return ("" if ranks == n else f"dp{n // ranks}x") + name + "".join(w for w in words if w in ("grads", "full"))
 
 def auto_choice(stdout, n):
     """(the layout --parallel auto chose, {layout that fits: its predicted seconds a step}) from the trainer's
     'parallel: every layout's predicted step: ...' line."""
     every = re.search(r"^parallel: every layout's predicted step: (.*)$", stdout, re.M)
-    found = re.findall(r"([a-z_]+(?: \d+)?) ([\d.]+) s(?: \((chosen|does not fit)\))?", every.group(1)) if every else []
+    found = re.findall(r"([a-z_]+(?: \d+)?(?: tp \d+)?(?: grads| full)?) ([\d.]+) s(?: \((chosen|does not fit)\))?",
+                       every.group(1)) if every else []
     return (next((bench_name(name, n) for name, _, note in found if note == "chosen"), None),
             {bench_name(name, n): float(seconds) for name, seconds, note in found if note != "does not fit"})
 

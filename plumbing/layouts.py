@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from plumbing import cpu, sharding, speedups, stage_split, tensor_parallel, world
+from plumbing.world import describe_nodes, inside_nodes, nodes_of
 
 FORCED = {"dp": ("none", 1), "fsdp": ("full", 1), "fsdp_grads": ("grads", 1)}  # --parallel NAME: (--shard, --pp)
 HEADROOM = 0.9  # a layout must fit in this share of the free memory: the rest is for what the estimate leaves out
@@ -50,19 +51,24 @@ class Layout:
     sent_in_blocks: float = 0.0  # of them, the bytes inside `block`'s time (FSDP's gathers of the blocks, TP's all-reduces)
     block: float = 0.0  # seconds of a block's forward and backward as this layout runs it (FSDP, TP: timed); 0: plain
     seconds: float = 0.0  # the predicted step
-    stage_blocks: float = 0.0  # a pipeline's slowest stage's compute, in blocks (stages())
+    bounds: tuple = ()  # a pipeline's stages, (first block, end) each (stages())
 
     def flags(self):
-        return f"--pp {self.pp}" if self.pp > 1 else f"--tp {self.tp}" if self.tp > 1 else f"--parallel {self.name}"
+        if self.pp > 1:
+            return f"--pp {self.pp}" + f" --tp {self.tp}" * (self.tp > 1) + f" --shard {self.shard}" * (self.shard != "none")
+        return f"--tp {self.tp}" if self.tp > 1 else f"--parallel {self.name}"
 
     def short(self):
-        return f"pp {self.pp}" if self.pp > 1 else f"tp {self.tp}" if self.tp > 1 else self.name
+        if self.pp > 1:
+            return f"pp {self.pp}" + f" tp {self.tp}" * (self.tp > 1) + f" {self.shard}" * (self.shard != "none")
+        return f"tp {self.tp}" if self.tp > 1 else self.name
 
     def describe(self, world):
         what = {"dp": "data parallel (DDP)", "fsdp": "FSDP (--shard full)", "fsdp_grads": "ZeRO-2 (--shard grads)"}
         replicas = f" x {world // (self.pp * self.tp)} data-parallel replica(s)"
-        return what.get(self.name) or (f"pipeline of {self.pp} stages" + replicas if self.pp > 1 else
-                                       f"tensor parallel over {self.tp} ranks" + replicas)
+        stages = f"pipeline of {self.pp} stages" + f" of {self.tp} tensor-parallel ranks" * (self.tp > 1) + replicas
+        return what.get(self.name) or (stages + f", each stage sharded (--shard {self.shard})" * (self.shard != "none")
+                                       if self.pp > 1 else f"tensor parallel over {self.tp} ranks" + replicas)
 
 # -----------------------------------------------------------------------------
 # What a layout holds and sends, computed (a rank's share; the busiest rank's where they differ)
@@ -86,11 +92,11 @@ def ring(world, size):
     """Bytes a rank sends in a ring all-gather or reduce-scatter of `size` bytes (an all-reduce is both)."""
     return (world - 1) / world * size
 
-def stages(config, pp, seq_len, budget=None, bf16=False):
+def stages(config, pp, seq_len, budget=None, bf16=False, tp=1):
     """A pipeline's [(first block, end)] per stage, and its slowest stage's compute in blocks (lm_head and the loss
     count on the last stage), as stage_split.py cuts it (to fit budget, --max_memory in bytes, where it can)."""
     block_cost, head_cost = stage_split.stage_costs(config, seq_len)
-    bounds = stage_split.stage_bounds(config, pp, seq_len, budget, bf16)
+    bounds = stage_split.stage_bounds(config, pp, seq_len, budget, bf16, tp)
     return bounds, max(
         (b - a) + (s == pp - 1) * head_cost / block_cost for s, (a, b) in enumerate(bounds))
 
@@ -121,13 +127,19 @@ def plan(layout, config, world, rows, seq_len, micro_steps, bf16, budget=None):
             beyond_state(held, 1, config, bf16)  # (about half of the activations split)
         layout.sent, layout.sent_in_blocks = tp_bytes + dp_bytes, tp_bytes
     else:  # pipeline: the busiest stage; 1F1B keeps pp - s micro-batches' activations on stage s, and the last
-        dp = world // layout.pp  # stage alone computes the loss (its chunk of logits, acts(0): once, not in flight)
-        bounds, layout.stage_blocks = stages(config, layout.pp, seq_len, budget, bf16)
-        held, N = stage_split.stage_plan(config, bounds, rows, seq_len, micro_steps, dp), layout.pp
-        layout.memory = max((STATE_BYTES + 4 * (dp > 1)) * params + beyond_state(params, (s == 0) + (s == N - 1), config, bf16)
-                            + min(N - s, micro_steps) * (acts(b - a) - acts(0)) + (s == N - 1) * acts(0)
-                            for s, ((a, b), (_, params, _)) in enumerate(zip(bounds, held)))
-        layout.sent = max(sent for _, _, sent in held)
+        dp, N, t = world // (layout.pp * layout.tp), layout.pp, layout.tp  # stage alone computes the loss (acts(0))
+        layout.bounds = stages(config, N, seq_len, budget, bf16, t)[0]
+        held = stage_split.stage_plan(config, layout.bounds, rows, seq_len, micro_steps, dp, layout.shard, bf16, tp=t)
+        sharded = layout.shard != "none"  # as FSDP and ZeRO-2 above, over the stage's replicas
+        state = lambda p: {"none": (STATE_BYTES + 4 * (dp > 1)) * p, "grads": 12 * p / dp + (weight + 4) * p,  # noqa: E731
+                           "full": 16 * p / dp + (weight + 4 * (micro_steps > 1)) * p}[layout.shard]
+        layout.memory = max(state(params) + beyond_state(params, (s == 0) + (s == N - 1), config, bf16 and not sharded)
+                            + min(N - s, micro_steps) * (acts(b - a) - acts(0)) * (1 + 1 / t) / 2 + (s == N - 1) * acts(0)
+                            for s, ((a, b), (_, params, _)) in enumerate(zip(layout.bounds, held)))
+        busiest = max(range(N), key=lambda s: held[s][2])
+        a, b = layout.bounds[busiest]  # tensor parallel's all-reduces: inside its timed block (stage_plan's formula)
+        layout.sent = held[busiest][2]
+        layout.sent_in_blocks = micro_steps * (b - a) * 4 * (t - 1) / t * rows * seq_len * config.n_embd * (weight + 4)
     return layout
 
 def candidates(config, world, pp_stages_ok, tp=True, hostnames=None):
@@ -135,26 +147,15 @@ def candidates(config, world, pp_stages_ok, tp=True, hostnames=None):
     tensor parallel over every rank count that divides it and the heads, and whose groups lie inside a node
     (hostnames: each rank's; None: all on one node)."""
     layouts = [Layout(name, *FORCED[name]) for name in ("dp", "fsdp", "fsdp_grads")]
-    layouts += [Layout("pp", "none", pp) for pp in range(2, world + 1) if world % pp == 0 and pp_stages_ok(pp)]
-    layouts += [Layout("tp", "none", 1, t) for t in range(2, world + 1) if tp and world % t == 0 and
-                config.n_head % t == 0 and inside_nodes(t, hostnames or [""] * world)]
-    return layouts
+    tps = [t for t in range(2, world + 1) if tp and world % t == 0 and config.n_head % t == 0 and
+           inside_nodes(t, hostnames or [""] * world)]
+    for pp in (pp for pp in range(2, world + 1) if world % pp == 0 and pp_stages_ok(pp)):
+        layouts += [Layout("pp", "none", pp)] + [Layout("pp", shard, pp) for shard in ("grads", "full") if world > pp]
+        layouts += [Layout("pp", "none", pp, t) for t in tps if world % (pp * t) == 0]  # tp inside nodes, pp across
+    return layouts + [Layout("tp", "none", 1, t) for t in tps]
 
 # -----------------------------------------------------------------------------
-# Which ranks share a node: their hostnames
-
-def nodes_of(hostnames):
-    """[[the ranks of a node], ...] from each rank's hostname, nodes in the order of their first rank."""
-    nodes = {}
-    for rank, host in enumerate(hostnames):
-        nodes.setdefault(host, []).append(rank)
-    return list(nodes.values())
-
-def inside_nodes(tp, hostnames):
-    """Whether every tensor-parallel group lies inside one node: its tp consecutive ranks (tensor_parallel.py's mesh,
-    rank r in group r // tp) share a hostname. Launchers (torchrun, mpirun, srun by block) put consecutive ranks on
-    one node, so this holds where tp divides the ranks per node; TP's all-reduces, every block's, never cross a network."""
-    return all(len(set(hostnames[i:i + tp])) == 1 for i in range(0, len(hostnames), tp))
+# How crowded a node's cores are
 
 def crowding(ranks, hostnames):
     """How many times more torch threads than physical cores the most crowded node's ranks have, at least 1: 3 ranks
@@ -165,11 +166,6 @@ def crowding(ranks, hostnames):
     node = [mine[r] for r, host in enumerate(hostnames) if host == socket.gethostname()]
     cores = cpu.physical_cores(set().union(*(cpus for cpus, _ in node)))
     return slowest(max(1.0, sum(threads for _, threads in node) / max(1, cores)), ranks)  # (the largest: MAX)
-
-def describe_nodes(nodes):
-    sizes = sorted({len(n) for n in nodes})
-    each = f"{sizes[0]} rank" + "s" * (sizes[0] > 1) if len(sizes) == 1 else "/".join(map(str, sizes)) + " ranks"
-    return f"{len(nodes)} node" + "s" * (len(nodes) > 1) + f" x {each}"
 
 # -----------------------------------------------------------------------------
 # What is measured: free memory, the link, one block's compute
@@ -269,12 +265,14 @@ def predict(layout, config, world, seq_len, micro_steps, block_seconds, link, cr
     if layout.pp == 1:  # FSDP's and TP's blocks as they run them (TP: its share of each, its all-reduces inside)
         compute = micro_steps * (L * (layout.block or block_seconds) + head)
         messages = {"fsdp": 2 * micro_steps + L + 1, "fsdp_grads": 2 * (L + 1), "dp": L + 1, "tp": 1}[layout.name]
-    else:
-        chain = (micro_steps + layout.pp - 1) * layout.stage_blocks * block_seconds / crowd
+    else:  # (a stage's blocks as its tensor-parallel ranks run them: layout.block, timed; lm_head whole on each)
+        stage = max((b - a) * (layout.block or block_seconds) + (s == layout.pp - 1) * head
+                    for s, (a, b) in enumerate(layout.bounds))
+        chain = (micro_steps + layout.pp - 1) * stage / crowd
         # On crowded cores the lighter stages' and the bubble's idle time is lent to the busy stage (3 ranks on 2
         # cores: ZeRO-2 predicted ahead, the pipeline measured 1.19x faster), so the node's cores, all busy with the
         # whole step's work, bound it instead; with a core for every thread (crowd 1) the chain is always longer.
-        compute = max(chain, micro_steps * (L * block_seconds + head) / layout.pp)
+        compute = max(chain, micro_steps * (L * (layout.block or block_seconds) + head) / layout.pp)
         messages = 2 * micro_steps + 2
     sending = (layout.sent - layout.sent_in_blocks * bool(layout.block)) / bandwidth  # (untimed: all over the link)
     layout.seconds = compute + sending + messages * 2 * (world - 1) * latency
@@ -328,13 +326,14 @@ def decide(args, config, ranks, bf16, autocast, make_block):
     compiled = speedups.will_compile(getattr(args, "compile", False), "cpu")
     timed = lambda layout=None: time_block(make_block, args.batch_size, args.seq_len, config.n_embd, autocast, ranks,  # noqa: E731
                                            layout=layout, bf16=bf16, compiled=compiled)
-    block_seconds = timed()
+    block_seconds, own = timed(), {}  # (a tp degree's block timed once, for tp alone and for pp x tp)
     for layout in layouts:
-        if (layout.name == "fsdp" or layout.tp > 1) and layout.memory <= HEADROOM * free:
-            layout.block = timed(layout)
+        kind = "fsdp" if layout.name == "fsdp" else layout.tp if layout.tp > 1 else None
+        if kind is not None and layout.memory <= HEADROOM * free:
+            layout.block = own[kind] = own.get(kind) or timed(Layout(layout.name, "none", 1, layout.tp))
         predict(layout, config, W, args.seq_len, micro(W // (layout.pp * layout.tp)), block_seconds, link, crowd)
     chosen, runner_up = choose(layouts, free, fits_alone=False)
-    own = ", ".join(f"{l.short()}'s {l.block * 1000:.0f}" for l in layouts if l.block)
+    own = ", ".join(f"{'tp ' * (k != 'fsdp')}{k}'s {seconds * 1000:.0f}" for k, seconds in own.items())
     measured = (f"link {link[0] / 1e6:.0f} MB/s, {link[1] * 1e6:.0f} us" + " across nodes" * (len(nodes) > 1) +
                 f"; a block {block_seconds * 1000:.0f} ms" + (f" ({own})" if own else "") +
                 f"; {gib(free)} free a rank; {describe_nodes(nodes)}" + (f", {crowd:.2g} threads a core" if crowd > 1 else ""))

@@ -26,7 +26,8 @@ def build_part(make, args, ranks, init_weights, bf16):
     def allocate(model):
         if args.pp > 1:  # (cut as pipeline.Pipeline cuts it)
             index = (ranks.rank // args.tp) % args.pp
-            bounds = stage_split.stage_bounds(model.config, args.pp, args.seq_len, pipeline.memory_budget(args), bf16)
+            bounds = stage_split.stage_bounds(model.config, args.pp, args.seq_len, pipeline.memory_budget(args), bf16,
+                                              args.tp)
             stage.cut_to_stage(model, index, args.pp, bounds[index])
         if args.tp > 1:  # (what is left of it split, as tensor_parallel.TensorParallel splits it)
             mesh = world.mesh_of(ranks.world_size, args.pp, args.tp, ranks.device.split(":")[0])

@@ -96,7 +96,7 @@ class Pipeline:
         tied = {(d, t): dist.new_group([rank_of(d, 0, t), rank_of(d, self.pp - 1, t)])
                 for d in range(self.dp) for t in range(self.tp)}
         self.tied_group = tied[self.replica, ranks.rank % self.tp]
-        self.bounds = stage_bounds(model.config, self.pp, args.seq_len, memory_budget(args), dtype == "bf16")
+        self.bounds = stage_bounds(model.config, self.pp, args.seq_len, memory_budget(args), dtype == "bf16", self.tp)
         self.stage = Stage(model, self.index, self.pp, self.bounds[self.index], dtype, device_type)
         if self.tp > 1:  # --tp: the stage's blocks split across the tensor-parallel ranks (built split in a run)
             tensor_parallel.split_built(self.stage.gpt, mesh["tp"], self.tp)

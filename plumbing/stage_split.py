@@ -51,14 +51,15 @@ def stage_params(config, a, b, first, last, tp=1):
     C, V = config.n_embd, config.vocab_size
     return (b - a) * ((12 * C * C + 7 * C) / tp + 6 * C) + first * (V + config.block_size) * C + last * (2 * C + V * C)
 
-def stage_bounds(config, n_stages, seq_len, budget=None, bf16=False):
+def stage_bounds(config, n_stages, seq_len, budget=None, bf16=False, tp=1):
     """Each stage's (first block, end), balanced by compute (split_blocks); with a budget (--max_memory, bytes a rank),
-    the most balanced cut whose every stage's peak (its state and layouts.beyond_state, activations aside) fits in it,
-    where one does: the first and last stages, which hold the vocabulary's matrices, then take fewer blocks."""
+    the most balanced cut whose every stage's peak (its state and layouts.beyond_state, activations aside; a rank's
+    share of it under --tp) fits in it, where one does: the first and last stages, which hold the vocabulary's
+    matrices, then take fewer blocks."""
     from plumbing.layouts import beyond_state
     def fits(s, a, b):
         first, last = s == 0, s == n_stages - 1
-        params = stage_params(config, a, b, first, last)
+        params = stage_params(config, a, b, first, last, tp)
         return 16 * params + beyond_state(params, first + last, config, bf16) <= budget
     cut = lambda fits: split_blocks(config.n_layer, n_stages, *stage_costs(config, seq_len), fits)  # noqa: E731
     return (budget and cut(fits)) or cut(None)

@@ -7,6 +7,7 @@ How the processes of a job find each other and agree.
   - the device each rank computes on
   - stop signals, agreed by all ranks so that they stop at the same step
   - checks that the ranks start from the same step and end with the same weights
+  - which ranks share a node (their hostnames), and whether a group of ranks lies inside one
 """
 import functools
 import hashlib
@@ -275,3 +276,24 @@ def leave_process_group():
     import gc
     gc.collect()
     torch.distributed.destroy_process_group()
+
+# -----------------------------------------------------------------------------
+# Which ranks share a node: their hostnames
+
+def nodes_of(hostnames):
+    """[[the ranks of a node], ...] from each rank's hostname, nodes in the order of their first rank."""
+    nodes = {}
+    for rank, host in enumerate(hostnames):
+        nodes.setdefault(host, []).append(rank)
+    return list(nodes.values())
+
+def inside_nodes(tp, hostnames):
+    """Whether every tensor-parallel group lies inside one node: its tp consecutive ranks (tensor_parallel.py's mesh,
+    rank r in group r // tp) share a hostname. Launchers (torchrun, mpirun, srun by block) put consecutive ranks on
+    one node, so this holds where tp divides the ranks per node; TP's all-reduces, every block's, never cross a network."""
+    return all(len(set(hostnames[i:i + tp])) == 1 for i in range(0, len(hostnames), tp))
+
+def describe_nodes(nodes):
+    sizes = sorted({len(n) for n in nodes})
+    each = f"{sizes[0]} rank" + "s" * (sizes[0] > 1) if len(sizes) == 1 else "/".join(map(str, sizes)) + " ranks"
+    return f"{len(nodes)} node" + "s" * (len(nodes) > 1) + f" x {each}"

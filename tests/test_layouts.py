@@ -5,7 +5,7 @@ import pytest
 
 from conftest import (RECORDING_RANK, REPO, clean_env, final_weights_diff, make_shards, read_log, run_launched, run_train,
                       tiny_run_args, torchrun)
-from plumbing import layouts, tensor_parallel
+from plumbing import layouts, tensor_parallel, world
 from train_gpt2 import GPTConfig, PADDED_VOCAB_SIZE
 
 GPT2 = GPTConfig(block_size=1024, vocab_size=PADDED_VOCAB_SIZE, n_layer=12, n_head=12, n_embd=768)
@@ -90,6 +90,31 @@ def test_slow_links_choose_the_pipeline_fast_ones_the_least_compute():
     assert layouts.choose(list(p.values()), 10 * p["dp"].memory, fits_alone=True)[0].name == "dp"
 
 
+def test_sharded_stages_and_pp_x_tp_are_candidates_planned_as_they_run():
+    """Where a pipeline has replicas, its stages may be sharded over them (--pp N --shard grads|full) or split over
+    tensor-parallel ranks inside a node (--pp N --tp T); each is planned with the stage's share of the state and
+    predicted with the stage's blocks as they run (a tensor-parallel block: timed, its all-reduces inside)."""
+    four = [l.flags() for l in layouts.candidates(GPT2, 4, lambda pp: True, hostnames=["a", "a", "b", "b"])]
+    assert {"--pp 2", "--pp 2 --shard grads", "--pp 2 --shard full", "--pp 2 --tp 2", "--pp 4", "--tp 2"} <= set(four)
+    assert "--pp 4 --shard grads" not in four and "--pp 2 --tp 4" not in four  # (no replicas; tp 4 crosses nodes)
+    XL = GPTConfig(block_size=1024, vocab_size=50304, n_layer=48, n_head=25, n_embd=1600)
+    plan = lambda l, world=8: layouts.plan(l, XL, world, 1, 1024, 64 // (world // (l.pp * l.tp)), True)  # noqa: E731
+    whole, grads, full = (plan(layouts.Layout("pp", shard, 2)) for shard in ("none", "grads", "full"))
+    stage = layouts.stage_split.stage_plan(XL, whole.bounds, 1, 1024, 16, 4, "grads", True)
+    params = max(p for _, p, _ in stage)  # the busiest stage's (the same stage in every plan: the ends are alike)
+    assert whole.memory - grads.memory == pytest.approx((20 - 12 / 4 - 6) * params + 2 * params, rel=0.02)
+    assert full.memory - grads.memory == pytest.approx(4 * params / 4, rel=0.02)  # + its share of the gradients
+    assert grads.sent > whole.sent  # gathers and reduce-scatters where DDP all-reduces
+    # pp 2 x tp 2: each stage's blocks split; its block timed as tp runs it; lm_head whole on each of its ranks
+    split = plan(layouts.Layout("pp", "none", 2, 2), 4)
+    assert split.memory < plan(layouts.Layout("pp", "none", 2), 4).memory and split.sent_in_blocks > 0
+    split.block = 0.03
+    layouts.predict(split, XL, 4, 1024, 64, 0.05, (1e12, 0.0))
+    head = layouts.stage_split.stage_costs(XL, 1024)[1] / layouts.stage_split.stage_costs(XL, 1024)[0] * 0.05
+    (a, b), (c, d) = split.bounds
+    assert split.seconds == pytest.approx((64 + 1) * max((b - a) * 0.03, (d - c) * 0.03 + head), rel=1e-3)
+
+
 def test_ranks_crowding_a_nodes_cores_lend_a_pipelines_idle_time():
     """3 ranks of a thread each on a 2-core node (the benchmark's namespaces) crowd it 1.5x: a block timed with all
     busy runs 1.5x faster alone, and a pipeline's lighter stages and bubble leave their core time to its busiest
@@ -115,20 +140,21 @@ def test_ranks_crowding_a_nodes_cores_lend_a_pipelines_idle_time():
 def test_nodes_from_hostnames_keep_tensor_parallel_inside_one():
     """Ranks grouped by hostname; TP only where its groups (consecutive ranks) share a node; TP's bytes over the link
     inside a node, the rest over the one across nodes."""
-    assert layouts.nodes_of(["a", "a", "b", "b"]) == [[0, 1], [2, 3]]
-    assert layouts.nodes_of(["b", "a", "b"]) == [[0, 2], [1]]
-    assert layouts.describe_nodes([[0, 1], [2, 3]]) == "2 nodes x 2 ranks"
-    assert layouts.describe_nodes([[0], [1], [2]]) == "3 nodes x 1 rank"
-    assert layouts.describe_nodes([[0, 1, 2]]) == "1 node x 3 ranks"
+    assert world.nodes_of(["a", "a", "b", "b"]) == [[0, 1], [2, 3]]
+    assert world.nodes_of(["b", "a", "b"]) == [[0, 2], [1]]
+    assert world.describe_nodes([[0, 1], [2, 3]]) == "2 nodes x 2 ranks"
+    assert world.describe_nodes([[0], [1], [2]]) == "3 nodes x 1 rank"
+    assert world.describe_nodes([[0, 1, 2]]) == "1 node x 3 ranks"
     config = GPTConfig(block_size=64, vocab_size=PADDED_VOCAB_SIZE, n_layer=2, n_head=4, n_embd=32)
     def tp_degrees(hostnames):
-        return [l.tp for l in layouts.candidates(config, len(hostnames), lambda pp: True, hostnames=hostnames) if l.tp > 1]
+        return [l.tp for l in layouts.candidates(config, len(hostnames), lambda pp: True, hostnames=hostnames)
+                if l.tp > 1 and l.pp == 1]
     assert tp_degrees(["a"] * 4) == [2, 4]  # one node: any degree that divides the ranks and the heads
     assert tp_degrees(["a", "a", "b", "b"]) == [2]  # tp 4 would cross the network
     assert tp_degrees(["a", "b", "a", "b"]) == []  # (a launcher that deals ranks round-robin: no group inside a node)
     assert tp_degrees(["a", "b", "c"]) == [] and tp_degrees(["a"] * 3) == []  # (3 does not divide the 4 heads)
-    assert [l.pp for l in layouts.candidates(config, 4, lambda pp: True, hostnames=["a", "b", "c", "d"])
-            if l.pp > 1] == [2, 4]  # pipelines and data parallel across nodes as before
+    assert [l.short() for l in layouts.candidates(config, 4, lambda pp: True, hostnames=["a", "b", "c", "d"])
+            if l.pp > 1] == ["pp 2", "pp 2 grads", "pp 2 full", "pp 4"]  # pipelines and data parallel across nodes
     # tp 2 x dp 2: the activations' all-reduces are inside its block's time, timed as it runs; the gradients' over the link
     tp = layouts.plan(layouts.Layout("tp", "none", 1, 2), config, 4, 2, 32, 3, False)
     tp_bytes = tensor_parallel.rank_plan(config, 2, 2, 2, 32, 3, "fp32")[1]
