@@ -51,6 +51,7 @@ def layouts(n, n_head=12):
         if n % pp == 0:
             out[f"dp{n // pp}xpp{pp}"] = ["--pp", pp]
             out[f"dp{n // pp}xpp{pp}grads"] = ["--pp", pp, "--shard", "grads"]
+            out[f"dp{n // pp}xpp{pp}full"] = ["--pp", pp, "--shard", "full"]
     if n_head % n == 0:
         out[f"tp{n}"] = ["--tp", n]
     if n % 4 == 0 and n_head % 2 == 0:  # tensor parallel inside pairs of ranks, a pipeline across them

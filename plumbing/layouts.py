@@ -4,30 +4,28 @@ decided from the CPU: measured, predicted, and said in one line.
 
   - If every rank can hold the whole training state and a micro-batch's activations in 90% of its free memory (or of
     --max_memory), data parallel (DDP), as always: nothing is measured but each rank's free memory.
-  - Otherwise, for every layout that fits (FSDP, ZeRO-2, a pipeline, tensor parallel, either with data parallel),
-    its step is predicted from what decides it: the compute (one block's forward and backward, timed on every rank at
-    once at the run's shape, compiled where the run compiles), the bytes each rank sends (computed, as the plan lines print them) over the link (timed
-    at the start: an all-reduce of 4 bytes for its latency, one of 32 MB for its bandwidth), and the pipeline's bubble.
-    The fastest prediction wins; the line gives it, the runner-up, and the flag that forces another.
+  - Otherwise, for every layout that fits (FSDP, ZeRO-2, a pipeline (its stages whole, sharded over its replicas,
+    or split by tensor parallel inside a node), tensor parallel, each with data parallel across the rest), its step
+    is predicted from what decides it: the compute (one block's forward and backward, timed on every rank at once at
+    the run's shape, compiled where the run compiles), the bytes each rank sends (computed, as the plan lines print
+    them) over the link (timed at the start: an all-reduce of 4 bytes for its latency, one of 32 MB for its
+    bandwidth), and the pipeline's bubble. The fastest prediction wins; the line gives it, the runner-up, and the
+    flag that forces another.
   - Layouts that talk inside every block (FSDP gathers each block's weights twice a micro-step, TP all-reduces its
-    activations four times) have that block timed as they run it, collectives and all: their small messages cost
-    far more than the bytes over the link say where the ranks crowd the cores (docs/parallel.md).
+    activations four times) have that block timed as they run it, collectives and all (docs/parallel.md).
   - Nodes: ranks with one hostname share a node (shared memory between them, the network between nodes). Tensor
     parallel is offered only where its groups lie inside a node (its block is timed there, on that link); with
     several nodes of several ranks, the link across nodes is timed between one rank of each node.
 
 The predictions assume nothing overlaps: compute, then sending (DDP and FSDP overlap some: docs/parallel.md).
 """
-import math
-import os
 import socket
-import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 
-from plumbing import cpu, sharding, speedups, stage_split, tensor_parallel, world
+from plumbing import sharding, speedups, stage_split, tensor_parallel
+from plumbing.cluster import crowding, free_memory, measure_network, time_block
 from plumbing.world import describe_nodes, inside_nodes, nodes_of
 
 FORCED = {"dp": ("none", 1), "fsdp": ("full", 1), "fsdp_grads": ("grads", 1)}  # --parallel NAME: (--shard, --pp)
@@ -155,100 +153,6 @@ def candidates(config, world, pp_stages_ok, tp=True, hostnames=None):
     return layouts + [Layout("tp", "none", 1, t) for t in tps]
 
 # -----------------------------------------------------------------------------
-# How crowded a node's cores are
-
-def crowding(ranks, hostnames):
-    """How many times more torch threads than physical cores the most crowded node's ranks have, at least 1: 3 ranks
-    of a thread each on 2 cores (namespaces as hosts, or an oversubscribed node) are 1.5. Each rank counts its node's
-    cores from the CPUs its node's ranks may run on, as this machine's /proc/cpuinfo pairs them into cores."""
-    mine = [None] * ranks.world_size
-    torch.distributed.all_gather_object(mine, (sorted(os.sched_getaffinity(0)), torch.get_num_threads()))
-    node = [mine[r] for r, host in enumerate(hostnames) if host == socket.gethostname()]
-    cores = cpu.physical_cores(set().union(*(cpus for cpus, _ in node)))
-    return slowest(max(1.0, sum(threads for _, threads in node) / max(1, cores)), ranks)  # (the largest: MAX)
-
-# -----------------------------------------------------------------------------
-# What is measured: free memory, the link, one block's compute
-
-def free_memory(ranks, max_memory_gib):
-    """Bytes each rank may use, the least over the ranks: --max_memory, or the memory the OS says is available on
-    this node (MemAvailable) shared by the ranks on it."""
-    if max_memory_gib:
-        mine = max_memory_gib * 2**30
-    else:
-        with open("/proc/meminfo") as f:
-            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-        mine = available / ranks.local_world
-    least = torch.tensor([mine], dtype=torch.float64)
-    if ranks.world_size > 1:
-        torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
-    return least.item()
-
-def slowest(seconds, ranks):
-    """The largest of every rank's seconds (all ranks get the same number, so they decide the same way)."""
-    t = torch.tensor([seconds], dtype=torch.float64)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return t.item()
-
-def measure_link(ranks, size=32 * 2**20, turns=3, group=None):
-    """(bytes a second, seconds of latency) of the links, from all-reduces timed on every rank at once: 4 bytes (its
-    time is 2 (W - 1) messages' latency) and `size` bytes (a ring: each rank sends 2 (W-1)/W x size), over all the
-    ranks or, every rank in one, over groups of W ranks (one rank of each node)."""
-    W = torch.distributed.get_world_size(group)
-    def timed(t):
-        best = math.inf
-        for _ in range(turns):
-            torch.distributed.barrier()
-            start = time.perf_counter()
-            torch.distributed.all_reduce(t, group=group)
-            best = min(best, slowest(time.perf_counter() - start, ranks))
-        return best
-    latency = timed(torch.zeros(1)) / (2 * (W - 1))
-    big = timed(torch.zeros(size // 4))
-    return 2 * ring(W, size) / max(big - 2 * (W - 1) * latency, 1e-9), latency
-
-def measure_network(ranks, nodes):
-    """(bytes a second, latency) of the links that data-parallel, FSDP and pipeline traffic crosses: with several nodes
-    of several ranks each, timed between every node's i-th ranks at once (all ranks of a node sending together, as in
-    training); otherwise over all the ranks."""
-    if len(nodes) == 1 or {len(n) for n in nodes} != {len(nodes[0])} or len(nodes[0]) == 1:
-        return measure_link(ranks)
-    across, _ = torch.distributed.new_subgroups_by_enumeration([list(i) for i in zip(*nodes)])
-    return measure_link(ranks, group=across)
-
-def time_block(make_block, rows, seq_len, n_embd, autocast, ranks, turns=5, layout=None, bf16=False, compiled=False):
-    """Seconds of one block's forward and backward at the run's micro-batch, compiled as the run will be (compiled:
-    torch.compile, its first turn compiling), timed on every rank at once (ranks
-    that share a node's cores slow each other down in training too): after a turn of warm-up, the median turn's
-    slowest rank, a turn running the block enough times to last 0.5 s (3 turns where one pass lasts 2 s or more).
-    Not each rank's best turn: with more ranks than cores, each rank's best is a turn in which it happened to run
-    alone. Nor the best of single passes: with 3 ranks on 2 cores one pass caught bursts (a block of 176 ms in one
-    run, 229 in another, for steps of one speed) and TP's, four waits on the slowest rank, swung 123-212 ms.
-    layout: the block as that Layout runs it (FSDP: sharded, gathered for its forward and again for its backward, its
-    gradients kept for the step's last micro-step; TP: split over its group), else plain."""
-    block = make_block()
-    if layout is not None and layout.name == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-        fully_shard(block, mp_policy=sharding.precision(bf16), reshard_after_forward=True)
-        block.set_requires_gradient_sync(False)
-    elif layout is not None and layout.tp > 1:
-        tensor_parallel.split_block(block, world.mesh_of(ranks.world_size, 1, layout.tp, "cpu")["tp"], layout.tp)
-    block = speedups.compile_model(block) if compiled else block
-    x = torch.randn(rows, seq_len, n_embd, requires_grad=True)
-    def turn(passes):
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        for _ in range(passes):
-            with autocast:
-                y = block(x)
-            y.float().sum().backward()
-        return slowest(time.perf_counter() - start, ranks) / passes
-    turn(1)  # warm-up (FSDP's and TP's first pass also sets them up)
-    one = turn(1)
-    passes = max(1, math.ceil(0.5 / one))
-    return statistics.median([turn(passes) for _ in range(turns if one < 2 else 3)])
-
-# -----------------------------------------------------------------------------
 # The prediction, and the choice
 
 def predict(layout, config, world, seq_len, micro_steps, block_seconds, link, crowd=1.0):
@@ -319,21 +223,21 @@ def decide(args, config, ranks, bf16, autocast, make_block):
                     f"in {HEADROOM:.0%} of the {gib(free)} free on each (--parallel fsdp, fsdp_grads or pp forces another)")
     hostnames = [None] * W  # which ranks share a node: TP only inside one (its block timed there)
     torch.distributed.all_gather_object(hostnames, socket.gethostname())
-    nodes, crowd = nodes_of(hostnames), crowding(ranks, hostnames)
+    nodes, crowd = nodes_of(hostnames), crowding(ranks)
     layouts = [planned(l) for l in candidates(config, W, lambda pp: pp <= config.n_layer and micro(W // pp) >= pp,
                                               tp=hasattr(args, "tp"), hostnames=hostnames)]
     link = measure_network(ranks, nodes)
     compiled = speedups.will_compile(getattr(args, "compile", False), "cpu")
     timed = lambda layout=None: time_block(make_block, args.batch_size, args.seq_len, config.n_embd, autocast, ranks,  # noqa: E731
                                            layout=layout, bf16=bf16, compiled=compiled)
-    block_seconds, own = timed(), {}  # (a tp degree's block timed once, for tp alone and for pp x tp)
+    block_seconds, own = timed(), {}  # (FSDP's, ZeRO-2's and each tp degree's block: timed once, for tp and pp x tp)
     for layout in layouts:
-        kind = "fsdp" if layout.name == "fsdp" else layout.tp if layout.tp > 1 else None
+        kind = layout.name if layout.name in ("fsdp", "fsdp_grads") else layout.tp if layout.tp > 1 else None
         if kind is not None and layout.memory <= HEADROOM * free:
             layout.block = own[kind] = own.get(kind) or timed(Layout(layout.name, "none", 1, layout.tp))
         predict(layout, config, W, args.seq_len, micro(W // (layout.pp * layout.tp)), block_seconds, link, crowd)
     chosen, runner_up = choose(layouts, free, fits_alone=False)
-    own = ", ".join(f"{'tp ' * (k != 'fsdp')}{k}'s {seconds * 1000:.0f}" for k, seconds in own.items())
+    own = ", ".join(f"{k if isinstance(k, str) else f'tp {k}'}'s {seconds * 1000:.0f}" for k, seconds in own.items())
     measured = (f"link {link[0] / 1e6:.0f} MB/s, {link[1] * 1e6:.0f} us" + " across nodes" * (len(nodes) > 1) +
                 f"; a block {block_seconds * 1000:.0f} ms" + (f" ({own})" if own else "") +
                 f"; {gib(free)} free a rank; {describe_nodes(nodes)}" + (f", {crowd:.2g} threads a core" if crowd > 1 else ""))
