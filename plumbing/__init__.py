@@ -17,6 +17,7 @@ but not to read first. One topic per module:
   tensor_parallel.py  tensor parallel (--tp): each block split over ranks
   parts.py        a rank's part of the model under --pp and --tp: built alone, read by name, digested
   layouts.py      --parallel auto: the layout predicted fastest from measured links and memory
+  cluster.py      what --parallel auto measures: free memory, crowded cores, links, a block's time
   fused_loss.py   lm_head and the loss, a chunk of positions at a time
   attention.py    causal attention: our AMX kernel (attention.cpp) where it measures faster than PyTorch's
   inputs.py       what a run reads besides its arguments: the token shards' id check, OpenAI's weights
