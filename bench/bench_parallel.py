@@ -81,14 +81,15 @@ def auto_choice(stdout, n):
 def computed_bytes(stdout, n):
     """Each rank's bytes a step as the trainer computed them, from its plan lines: 'data parallel: ... each rank sends
     X MB a step' (every rank alike), or a pipeline's 'stage s: ... each of its ranks sends X MB a step' (rank r is
-    stage r % pp). None for a rank the plan does not give."""
+    stage (r // tp) % pp, as world.mesh_of lays them out). None for a rank the plan does not give."""
     if m := re.search(r"^data parallel: .*each rank sends ([\d.]+) MB a step", stdout, re.M):
         return [float(m.group(1)) * 1e6] * n
     if m := re.search(r"^  each rank: .*sends ([\d.]+) MB a step", stdout, re.M):  # tensor parallel's plan
         return [float(m.group(1)) * 1e6] * n
     stages = {int(s): float(x) * 1e6 for s, x in re.findall(r"^  stage (\d+): .*each of its ranks sends ([\d.]+) MB", stdout, re.M)}
     if m := re.search(r"^pipeline: (\d+) stages", stdout, re.M):
-        return [stages.get(r % int(m.group(1))) for r in range(n)]
+        split = re.search(r"^pipeline: .*each stage's blocks split over (\d+) tensor-parallel ranks", stdout, re.M)
+        return [stages.get(r // int(split.group(1) if split else 1) % int(m.group(1))) for r in range(n)]
     return [None] * n
 
 # -----------------------------------------------------------------------------
