@@ -97,6 +97,24 @@ def test_a_bar_in_a_log_prints_each_tenth_on_rank_0_only(capsys, monkeypatch):
     assert [line.split(" (")[0] for line in lines] == [f"pass: {p}%" for p in (12, 20, 32, 40, 52, 60, 72, 80, 92, 100)]
 
 
+def test_a_bar_resumed_or_without_a_total(capsys, monkeypatch):
+    """A resumed pass (initial) times only this run's share; a pass of unknown length prints a line a minute."""
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "time", lambda: now[0])
+    bar = progress.Bar(100, "tokenizing", "documents", initial=50)
+    bar.note = "7 shards"
+    now[0] = 20.0
+    bar.update(10)  # 10 documents in 20 s: the 40 left take 80 s
+    bar = progress.Bar(None, "stream", "documents")
+    for _ in range(3):
+        now[0] += 35.0
+        bar.update(700)
+    assert capsys.readouterr().out.splitlines() == [
+        "tokenizing: 60% (60/100 documents, 7 shards), 20s, ETA 1m20s",
+        "stream: 1,400 documents, 1m10s, 20 documents/s",  # (at 70 s: the first minute passed)
+    ]
+
+
 def test_a_weights_download_says_its_size_once(monkeypatch, capsys):
     """OpenAI's weights not in the hub's cache: one line with their size, then huggingface_hub's own progress."""
     import huggingface_hub
