@@ -115,6 +115,32 @@ def test_a_bar_resumed_or_without_a_total(capsys, monkeypatch):
     ]
 
 
+def test_a_big_checkpoint_says_what_it_writes_and_how_long(tmp_path, monkeypatch, capsys):
+    """A .pt and a .dcp at least LOUD_BYTES: a line before (what, about how big) and one after (its size on disk,
+    how long); a smaller one says nothing, nor does the .dcp's meta.pt (written quietly inside the folder)."""
+    import torch
+    from conftest import free_port
+    from plumbing import checkpoints, world
+    monkeypatch.setattr(checkpoints, "LOUD_BYTES", 4000)
+    big, small, dcp = (str(tmp_path / f"model_0000{i}.{ext}") for i, ext in ((1, "pt"), (2, "pt"), (3, "dcp")))
+    checkpoints.atomic_save({"w": torch.zeros(1000)}, big)  # 4000 bytes
+    checkpoints.atomic_save({"w": torch.zeros(999)}, small)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        ranks = world.Ranks(rank=0, world_size=1, local_rank=0, local_world=1, launcher="test")
+        checkpoints.save_sharded(dcp, {"model": {"w": torch.zeros(1000)}}, {"step": 3}, ranks)
+    finally:
+        torch.distributed.destroy_process_group()
+    size = checkpoints.folder_bytes(dcp)
+    assert size > 4000 and size == sum(os.path.getsize(os.path.join(dcp, f)) for f in os.listdir(dcp))
+    gb = re.escape(f"{os.path.getsize(big) / 1e9:.2f}")
+    assert re.fullmatch(rf"checkpoint: writing {big} \(about 0.00 GB\)\n"
+                        rf"checkpoint: {big} written, {gb} GB in \d+\.\ds \([\d.]+ GB/s\)\n"
+                        rf"checkpoint: writing {dcp} \(about 0.00 GB\)\n"
+                        rf"checkpoint: {dcp} written, {size / 1e9:.2f} GB in \d+\.\ds \([\d.]+ GB/s\)\n",
+                        capsys.readouterr().out)
+
+
 def test_a_weights_download_says_its_size_once(monkeypatch, capsys):
     """OpenAI's weights not in the hub's cache: one line with their size, then huggingface_hub's own progress."""
     import huggingface_hub
