@@ -350,17 +350,21 @@ def test_streaming_path_on_local_fineweb_edu_folder(tmp_path, monkeypatch):
         assert {f: open(f, "rb").read() for f in shard_files(out)} == reference
 
 
-def test_streaming_progress_has_the_total_the_dataset_card_gives(tmp_path, monkeypatch, capsys):
-    """A stream does not know its length, but a dataset card's dataset_info may say its rows: the bar's total."""
+@pytest.mark.parametrize("source", ["footers", "card"])
+def test_streaming_progress_has_a_total(tmp_path, monkeypatch, capsys, source):
+    """A stream does not know its length, but a parquet dataset's files say their rows in their footers (read
+    without the data), and a dataset card's dataset_info may say them too (used where the footers cannot be read)."""
     from plumbing import progress
     monkeypatch.setattr(progress, "QUIET_S", 0)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     docs = make_docs(60, seed=5)
     make_fineweb_edu_folder(tmp_path / "fineweb-edu", docs)
-    card = ("dataset_info:\n- config_name: sample-10BT\n  splits:\n  - name: train\n    num_bytes: 1000\n"
-            f"    num_examples: {len(docs)}\n---\n")
-    (tmp_path / "fineweb-edu" / "README.md").write_text(FINEWEB_EDU_README.replace("---\n#", card + "#"))
+    if source == "card":
+        card = ("dataset_info:\n- config_name: sample-10BT\n  splits:\n  - name: train\n    num_bytes: 1000\n"
+                f"    num_examples: {len(docs)}\n---\n")
+        (tmp_path / "fineweb-edu" / "README.md").write_text(FINEWEB_EDU_README.replace("---\n#", card + "#"))
+        monkeypatch.setattr(fineweb, "parquet_rows", lambda *args: None)
     run("--dataset", tmp_path / "fineweb-edu", "--output_dir", tmp_path / "edu", "--shard_size", 1500,
         "--val_tokens", 600, "--batch_chars", 1)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("tokenizing: ")]
