@@ -1,7 +1,8 @@
 """The README's path, run as written: its commands are read from README.md (each picked by its text, so that a changed
 command fails here until this test follows it) and run in order in a fresh folder, each checked to leave what the
 next one reads. Only what must be tiny is changed, and each change is listed in PATH: a tiny model's flags appended,
-a small random GPT-2 for OpenAI's (no download), the demo's task and model shrunk. About a minute on one core."""
+a small random GPT-2 for OpenAI's (no download), the demo's task and model shrunk, fewer tokens a step. About 85 s on
+one core (shared with a benchmark), 0.6 GB."""
 import json
 import os
 import re
@@ -26,8 +27,14 @@ PATH = [
         ("$", " --max_steps 300 --eval_interval 300 --threads 1 --dtype fp32")]),  # (300: the checkpoint's name)
     ('python sample.py --ckpt_path log_task/model_00300.pt --prompt "Name three primes."', []),
     ("python answer.py --ckpt_path log_task/model_00300.pt --input my_val.jsonl", []),
-    # the 124M run's final checkpoint is not made here: the fine-tuned one is exported
-    ("python export_hf.py log/model_19073.pt gpt2_ours/", [("log/model_19073.pt", "log_task/model_00300.pt")]),
+    ("python plot.py log_a log_b -o both.png", [("log_a log_b", "log_demo log_task")]),  # (two runs made above)
+    # continued pretraining (in the text after step 6) on step 1's shards, into log/
+    ("python train_gpt2.py --init_from gpt2 --data_dir my_shards --max_steps 200", [
+        ("--init_from gpt2 ", "--init_from tiny_gpt2 "),
+        ("--total_batch_size 32768", "--total_batch_size 64"),  # (its 200 steps: the checkpoint's name)
+        ("$", " --seq_len 32 --batch_size 2 --val_tokens 128 --hellaswag_interval 0 --threads 1 --dtype fp32")]),
+    # GPT-2 (124M)'s run (19073 steps) is not made here: the continued pretraining's last checkpoint is exported
+    ("python export_hf.py log/model_19073.pt gpt2_ours/", [("log/model_19073.pt", "log/model_00200.pt")]),
 ]
 # finetune.py --demo, with the demo's task and model small (its own settings otherwise)
 SMALL_FINETUNE_DEMO = f"""
@@ -76,7 +83,8 @@ def test_the_readmes_path_runs_as_written(tmp_path):
     save_random_hf_gpt2(tmp_path / "tiny_gpt2")
     (tmp_path / "small_demo.py").write_text(SMALL_FINETUNE_DEMO)
     leaves = {0: "my_shards/data_train_000001.npy", 1: "log_demo/model_00060.pt", 3: "task_demo/task.json",
-              4: "my_task/task.json", 5: "log_task/model_00300.pt", 8: "gpt2_ours/model.safetensors"}  # for the next
+              4: "my_task/task.json", 5: "log_task/model_00300.pt", 8: "both.png", 9: "log/model_00200.pt",
+              10: "gpt2_ours/model.safetensors"}  # what each leaves for the next, or for the user
     for i, ((start, changes), command) in enumerate(zip(PATH, path)):
         argv = as_run(command, changes)
         assert argv[0] == "python"
@@ -90,4 +98,4 @@ def test_the_readmes_path_runs_as_written(tmp_path):
             assert re.search(r"\d+ tokens in [\d.]+s", proc.stdout + proc.stderr), proc.stdout
         if argv[1] == "answer.py":  # the share of my_val.jsonl's 10 answers it got right
             assert re.search(r"^task accuracy: [\d.]+ \(\d+/10 examples of my_val.jsonl", proc.stdout, re.M), proc.stdout
-    assert json.loads((tmp_path / "gpt2_ours" / "config.json").read_text())["n_layer"] == 2
+    assert json.loads((tmp_path / "gpt2_ours" / "config.json").read_text())["n_layer"] == 2  # (tiny_gpt2's)
