@@ -22,10 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow.parquet as pq
-from tqdm import tqdm
 
 from plumbing import ShowDefaults
 from plumbing.checkpoints import atomic_write
+from plumbing.progress import Bar
 from tokenizer import EOT, get_encoding
 
 EOT_TEXT = "<|endoftext|>"        # the text that tiktoken turns into the EOT id when allowed
@@ -119,6 +119,19 @@ def local_units(files, field):
             raise SystemExit(f"error: {path}: cannot read it ({type(e).__name__}: {e})")
     return [Unit(path, lambda start, p=path: read_file(p, field, start)) for path in files]
 
+def count_rows(path):
+    """A local file's rows (read_file's), for the progress bar's total and its ETA: a .txt is one, a .parquet's
+    rows are in its footer, a .jsonl's lines are counted (one pass over its bytes, as `wc -l` does)."""
+    if path.lower().endswith(".parquet"):
+        return pq.ParquetFile(path).metadata.num_rows
+    if not path.lower().endswith(".jsonl"):
+        return 1
+    rows, last = 0, b"\n"
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            rows, last = rows + chunk.count(b"\n"), chunk[-1:]
+    return rows + (last != b"\n")  # (a last line with no newline)
+
 def hub_units(dataset, name, split, field):
     """A Hugging Face dataset, streamed: rows are downloaded as they are read. One unit per data file, so
     that a resume jumps straight to the file it stopped in instead of re-downloading everything before."""
@@ -135,7 +148,27 @@ def hub_units(dataset, name, split, field):
     def read(i, start_row):
         part = ds.shard(num_shards=n, index=i, contiguous=True)   # exactly data file i, in order
         return arrow_rows(part.skip(start_row).iter(batch_size=1024), start_row, start_row)
-    return [Unit(f"dataset {dataset} file {i + 1}/{n}", lambda start, i=i: read(i, start)) for i in range(n)]
+    units = [Unit(f"dataset {dataset} file {i + 1}/{n}", lambda start, i=i: read(i, start)) for i in range(n)]
+    # the progress bar's total (a stream does not know its length): each data file's rows, or the card's count
+    split_info = (ds.info.splits or {}).get(split)
+    return units, parquet_rows(dataset, name, split, n) or getattr(split_info, "num_examples", None) or None
+
+def parquet_rows(dataset, name, split, n):
+    """Each of a dataset's n data files' rows, when they are parquet files (FineWeb-Edu's are): from their footers,
+    a small read each (on the Hub, a range request). None otherwise, or if anything fails: a total helps, no more."""
+    import datasets
+    from datasets.utils.file_utils import xopen    # (opens hf:// paths too)
+    try:
+        files = datasets.load_dataset_builder(dataset, name=name).config.data_files[split]
+        if len(files) != n or not all(str(f).endswith(".parquet") for f in files):
+            return None
+        rows = []
+        for f in files:
+            with xopen(f, "rb") as file:
+                rows.append(pq.ParquetFile(file).metadata.num_rows)
+        return rows
+    except Exception:
+        return None
 
 # -----------------------------------------------------------------------------
 # 2. Tokenizing
@@ -251,6 +284,7 @@ class Sharder:
         self.end = tuple(done[-1]["end"]) if done else (0, 0, 0)   # the place after the last batch
         self.skip = self.end[2]               # resuming inside a document: its first tokens are written
         self.tokens = sum(s["tokens"] for s in done)   # all tokens taken in so far, this run and before
+        self.docs = sum(s["docs"] for s in done)       # and documents begun (each begins with its EOT)
         self.index = len(done) + (args.val_tokens == 0)   # val is shard 0; with --val_tokens 0 train starts at 1
         self.parts, self.fill = [], 0         # the shard being filled: token arrays, and their total length
 
@@ -260,6 +294,7 @@ class Sharder:
             return (*batch.places[r], token) if r < len(ends) else (batch.places[-1][0], batch.places[-1][1] + 1, 0)
         p, n = self.skip, len(tokens)
         added, self.skip = n - p, 0
+        self.docs += int(np.count_nonzero(tokens[p:] == EOT))
         while p < n:
             if self.index == 0:   # val: whole documents, up to and including the first that reaches val_tokens
                 r = int(np.searchsorted(ends, self.args.val_tokens - self.fill, side="left"))
@@ -301,19 +336,26 @@ class Sharder:
         self.manifest["totals"] = {"tokens": self.tokens, "docs": sum(s["docs"] for s in self.manifest["shards"])}
         save_manifest(self.manifest_path, self.manifest)
 
-def tokenize_all(units, manifest, manifest_path, args):
-    """The main loop: read, tokenize, cut and write until the input ends."""
+def tokenize_all(units, manifest, manifest_path, args, rows=None):
+    """The main loop: read, tokenize, cut and write until the input ends. rows, the progress bar's total (on a
+    terminal a bar with an ETA, in a log a line each tenth): each unit's (local files: a place's row counts
+    exactly), or the input's in all (a dataset's card: documents are counted as they come), or None (not known)."""
     sharder = Sharder(args, manifest, manifest_path)
     if manifest["shards"]:
         print(f"resuming after {manifest['shards'][-1]['file']} ({len(manifest['shards'])} shards done, "
               f"{sharder.tokens:,} tokens)")
     pool = ThreadPoolExecutor(args.workers)
     batches = read_batches(units, sharder.end[:2], args.batch_chars)
-    bar = tqdm(desc="tokenizing", unit="tok", unit_scale=True, initial=sharder.tokens, smoothing=0.05,
-               dynamic_ncols=True)
+    if isinstance(rows, list):  # the documents before a place (unit, row): the rows of the units before it, and row
+        before = np.cumsum([0] + rows).tolist()
+        total, done = before[-1], lambda: before[sharder.end[0]] + sharder.end[1]
+    else:  # a stream's total, or none: documents as they are read (those a resumed run wrote: their EOTs)
+        total, done = rows, lambda: sharder.docs
+    bar = Bar(total, "tokenizing", "documents", initial=done())
     def consume(batch, future):
-        bar.update(sharder.add(batch, *future.result()))
-        bar.set_postfix(shards=len(manifest["shards"]), refresh=False)
+        sharder.add(batch, *future.result())
+        bar.note = f"{sharder.tokens:,} tokens, {len(manifest['shards'])} shards"
+        bar.update(done() - bar.n)
     # Batches being tokenized, oldest first: results are used in input order. Enough of them are
     # queued that the workers stay busy while this thread reads the next batch or writes a shard
     # (so a writer thread of its own measured no faster).
@@ -328,6 +370,7 @@ def tokenize_all(units, manifest, manifest_path, args):
         if sharder.tokens == 0:
             raise SystemExit("error: the input holds no text (only empty documents)")
         sharder.finish()
+        bar.update((total or bar.n) - bar.n)  # the input's end (after blank lines, empty rows): all of it
     finally:
         # normal end, an error or Ctrl-C: stop reading and drop the queued batches
         bar.close()
@@ -384,6 +427,7 @@ def main(argv=None):
             # the files and their sizes identify local input (so that a changed input is noticed)
             h = hashlib.sha256("".join(f"{os.path.abspath(f)}\t{os.path.getsize(f)}\n" for f in files).encode())
             source = {"files": len(files), "first": os.path.abspath(files[0]), "sha256": h.hexdigest()}
+            rows = None  # counted below, only if there is work to do
         else:
             units = None    # opened below, only if there is work to do (it contacts the Hub)
             source = {"dataset": args.dataset, "name": args.name or None, "split": args.split}
@@ -393,7 +437,10 @@ def main(argv=None):
         if manifest["complete"]:
             print(f"{args.output_dir} is already complete; nothing to do (pass --overwrite to redo it)")
         else:
-            units = units or hub_units(args.dataset, args.name or None, args.split, args.text_field)
+            if units:
+                rows = [count_rows(f) for f in files]
+            else:
+                units, rows = hub_units(args.dataset, args.name or None, args.split, args.text_field)
             # places in the manifest index into this list of units: it must not have changed
             if manifest.setdefault("units", len(units)) != len(units):
                 raise SystemExit(f"error: the input now has {len(units)} files, the interrupted run had "
@@ -401,7 +448,7 @@ def main(argv=None):
             if not manifest["shards"]:
                 os.makedirs(args.output_dir, exist_ok=True)
                 save_manifest(manifest_path, manifest)
-            tokenize_all(units, manifest, manifest_path, args)
+            tokenize_all(units, manifest, manifest_path, args, rows)
     except KeyboardInterrupt:
         print(f"\ninterrupted: {len(manifest['shards']) if manifest else 0} shards are complete in "
               f"{args.output_dir}; run the same command again to continue", file=sys.stderr)

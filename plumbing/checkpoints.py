@@ -7,6 +7,7 @@ refused, one run per folder.
   - atomic writes (a temporary file, then a rename) and a check of the free space beforehand
   - CRC-32 checksums of every tensor, verified when a checkpoint is loaded
   - sharded (.dcp) checkpoints: each rank saves and loads its own pieces
+  - a big checkpoint (LOUD_BYTES) says what it writes, and then how big it was and how long it took
 """
 import glob
 import json
@@ -14,11 +15,13 @@ import os
 import re
 import shutil
 import socket
+import time
 import zlib
 
 import torch
 
 from plumbing import one_line
+from plumbing.progress import QUIET_S, duration
 
 def atomic_write(path, write, tmp=None):
     """write(f) to a temporary file (path.tmp, or tmp: ranks on one host writing the same file each need their own),
@@ -36,8 +39,41 @@ def atomic_write(path, write, tmp=None):
             os.remove(tmp)
         raise
 
-def atomic_save(obj, path):
-    """torch.save, atomically (atomic_write). A failed write (a full disk, say) ends with one error line."""
+# A checkpoint this big (GPT-2 (124M)'s weights and AdamW moments are 1.5 GB, XL's 19 GB) may take a while to write:
+# it says so before, and how long it took after (as does any write that took QUIET_S seconds). Smaller: silent.
+LOUD_BYTES = 2**30
+
+def tensor_bytes(obj):
+    """The bytes of every tensor in a nested dict/list (a checkpoint's state; a DTensor: this rank's pieces)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.to_local() if hasattr(obj, "to_local") else obj
+        return t.numel() * t.element_size()
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return sum(tensor_bytes(v) for v in items)
+
+def folder_bytes(path):
+    """A file's size, or all the files' in a folder (a .dcp)."""
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+def say_writing(path, estimate):
+    """'checkpoint: writing PATH (about 1.49 GB)' for a big one; returns what to call once it is written."""
+    started, loud = time.time(), estimate >= LOUD_BYTES
+    if loud:
+        print(f"checkpoint: writing {path} (about {estimate / 1e9:.2f} GB)", flush=True)
+    def written():
+        spent = time.time() - started
+        if loud or spent >= QUIET_S:
+            size, took = folder_bytes(path), duration(spent) if spent >= 60 else f"{spent:.1f}s"
+            print(f"checkpoint: {path} written, {size / 1e9:.2f} GB in {took} ({size / 1e9 / max(spent, 1e-3):.2f} "
+                  f"GB/s)", flush=True)
+    return written
+
+def atomic_save(obj, path, quiet=False):
+    """torch.save, atomically (atomic_write); a big one says so (say_writing), unless quiet. A failed write (a full
+    disk, say) ends with one error line."""
+    written = say_writing(path, 0 if quiet else tensor_bytes(obj))
     try:
         atomic_write(path, lambda f: torch.save(obj, f))
     except (OSError, RuntimeError) as e:
@@ -45,6 +81,8 @@ def atomic_save(obj, path):
         cause = e if isinstance(e, OSError) else e.__cause__ or e.__context__ or e
         free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
         raise SystemExit(f"error: cannot write {path} ({one_line(cause)}; {free / 2**20:.0f} MiB free there)") from None
+    if not quiet:
+        written()
 
 def check_free_space(folder, needed, what):
     """One error line before training when a file we will write cannot fit."""
@@ -121,15 +159,18 @@ def save_sharded(path, state, meta, ranks):
     named model_XXXXX.dcp is always whole."""
     import torch.distributed.checkpoint as dcp
     tmp = path + ".tmp"
+    # (rank 0 says it, from its own part: the ranks' parts are about equal)
+    written = say_writing(path, tensor_bytes(state) * torch.distributed.get_world_size() if ranks.master else 0)
     if ranks.master and os.path.exists(tmp):  # left by a run killed while saving
         shutil.rmtree(tmp)
     torch.distributed.barrier()
     dcp.save(state, checkpoint_id=tmp)  # returns when all have written
     if ranks.master:
-        atomic_save(meta, os.path.join(tmp, "meta.pt"))
+        atomic_save(meta, os.path.join(tmp, "meta.pt"), quiet=True)
         if os.path.exists(path):  # the same step saved again (a resumed run re-saving it): same contents
             shutil.rmtree(path)
         os.replace(tmp, path)
+        written()
     torch.distributed.barrier()
 
 def load_sharded(path, model, optimizer=None):

@@ -5,8 +5,8 @@ How long: every long phase of a run says how far it is and when it will end.
               CPU's measured matmul rate (naming --hours when that is more than an hour)
   StepClock   the step line's `elapsed` and `ETA`, and a note at the start when the plan takes more
               than a day on this machine
-  Bar         a long pass (validation, HellaSwag) as a progress bar on a terminal, and as a line
-              every ~10% in a log (a file or a pipe, where a bar's carriage returns make a mess)
+  Bar         a long pass (validation, HellaSwag, fineweb.py's tokenizing) as a progress bar on a terminal,
+              and as a line every ~10% in a log (a file or a pipe, where a bar's carriage returns make a mess)
 
 Only rank 0 shows them (the trainer passes ranks.print0, or enabled=ranks.master).
 """
@@ -93,27 +93,41 @@ class StepClock:
 
 class Bar:
     """tqdm's bar on a terminal; elsewhere a line every ~10% of total, once the pass has run QUIET_S seconds.
-    Used like tqdm: bar.update(n), and as a context manager. enabled False: silent (every rank but 0)."""
+    Used like tqdm: bar.update(n), and as a context manager. enabled False: silent (every rank but 0).
+    total None: not known (a stream): a bar without an end on a terminal, a line a minute in a log. initial: what
+    an earlier run already did (a resumed pass: its ETA counts only this run's speed). bar.note: a few words that
+    follow the count (fineweb.py's tokens and shards)."""
 
-    def __init__(self, total, desc, unit="it", enabled=True):
-        self.total, self.desc, self.unit, self.n, self.shown = total, desc, unit, 0, 0
-        self.started, self.tqdm = time.time(), None
-        self.enabled = enabled and total > 0
+    def __init__(self, total, desc, unit="it", enabled=True, initial=0):
+        self.total, self.desc, self.unit, self.n, self.initial = total, desc, unit, initial, initial
+        self.started, self.tqdm, self.note = time.time(), None, ""
+        self.shown = self.n * 10 // total if total else 0  # (the tenths an earlier run showed)
+        self.enabled = enabled and total != 0
         if self.enabled and sys.stderr.isatty():
             from tqdm import tqdm
-            self.tqdm = tqdm(total=total, desc=desc, unit=unit, leave=False)
+            self.tqdm = tqdm(total=total, desc=desc, unit=unit, leave=False, initial=initial, unit_scale=True)
 
     def update(self, n=1):
         self.n += n
-        if self.tqdm is not None or not self.enabled:  # (a total of 0, unknown: nothing to show)
-            self.tqdm and self.tqdm.update(n)
+        if self.tqdm is not None or not self.enabled:  # (a total of 0: nothing to show)
+            if self.tqdm is not None:
+                self.tqdm.set_postfix_str(self.note, refresh=False)
+                self.tqdm.update(n)
+            return
+        spent = time.time() - self.started
+        note = f", {self.note}" if self.note else ""
+        if self.total is None:  # not known: a line a minute, with the rate
+            if spent >= 60 * (self.shown + 1):
+                self.shown = int(spent // 60)
+                rate = (self.n - self.initial) / spent
+                print(f"{self.desc}: {self.n:,} {self.unit}{note}, {duration(spent)}, {rate:,.0f} {self.unit}/s",
+                      flush=True)
             return
         tenth = self.n * 10 // self.total  # how many tenths are done
-        spent = time.time() - self.started
-        if self.enabled and tenth > self.shown and spent >= QUIET_S:
+        if tenth > self.shown and spent >= QUIET_S:
             self.shown = tenth
-            eta = spent / self.n * (self.total - self.n)
-            print(f"{self.desc}: {self.n * 100 // self.total}% ({self.n}/{self.total} {self.unit}), "
+            eta = spent / max(self.n - self.initial, 1) * max(self.total - self.n, 0)
+            print(f"{self.desc}: {self.n * 100 // self.total}% ({self.n}/{self.total} {self.unit}{note}), "
                   f"{duration(spent)}, ETA {duration(eta)}", flush=True)
 
     def close(self):

@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -130,6 +131,30 @@ def test_local_txt_jsonl_parquet(tmp_path):
     assert manifest["complete"]
     assert manifest["totals"]["docs"] == sum(1 for d in all_docs if d)
     assert not glob.glob(str(out / "*.tmp"))
+
+
+def test_tokenizing_shows_its_progress_against_the_inputs_rows(tmp_path, monkeypatch, capsys):
+    """Local files' rows are known before tokenizing (a .jsonl's lines, a .parquet's footer, a .txt is one):
+    in a log (not a terminal) a line each tenth, with the total and an ETA; the last says 100% and the tokens."""
+    from plumbing import progress
+    monkeypatch.setattr(progress, "QUIET_S", 0)  # (a pass this short would print nothing)
+    docs = make_docs(40, seed=3)
+    (tmp_path / "in").mkdir()
+    write_jsonl(tmp_path / "in" / "a.jsonl", docs[:12])
+    with open(tmp_path / "in" / "a.jsonl", "a") as f:  # a blank line, then a last line with no newline
+        f.write("\n" + json.dumps({"text": docs[12]}))
+    write_parquet(tmp_path / "in" / "b.parquet", docs[13:39])
+    (tmp_path / "in" / "c.txt").write_text(docs[39] or "x")
+    total = 14 + 26 + 1  # rows: the jsonl's 14 lines, the parquet's 26, the txt
+    manifest = run("--input", tmp_path / "in", "--output_dir", tmp_path / "out", "--shard_size", 2000,
+                   "--val_tokens", 500, "--batch_chars", 1)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("tokenizing: ")]
+    shown = [re.match(rf"tokenizing: (\d+)% \((\d+)/{total} documents, ([\d,]+) tokens, (\d+) shards\), \d+s, ETA \d+s$",
+                      ln) for ln in lines]
+    assert all(shown) and len(shown) >= 5, lines
+    percents = [int(m[1]) for m in shown]
+    assert percents == sorted(set(percents)) and percents[-1] == 100 and int(shown[-1][2]) == total
+    assert int(shown[-1][3].replace(",", "")) == manifest["totals"]["tokens"]
 
 
 def test_tokenize_batch_matches_per_document_encoding():
@@ -323,6 +348,28 @@ def test_streaming_path_on_local_fineweb_edu_folder(tmp_path, monkeypatch):
             os.remove(out / s["file"])
         run(*args)
         assert {f: open(f, "rb").read() for f in shard_files(out)} == reference
+
+
+@pytest.mark.parametrize("source", ["footers", "card"])
+def test_streaming_progress_has_a_total(tmp_path, monkeypatch, capsys, source):
+    """A stream does not know its length, but a parquet dataset's files say their rows in their footers (read
+    without the data), and a dataset card's dataset_info may say them too (used where the footers cannot be read)."""
+    from plumbing import progress
+    monkeypatch.setattr(progress, "QUIET_S", 0)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    docs = make_docs(60, seed=5)
+    make_fineweb_edu_folder(tmp_path / "fineweb-edu", docs)
+    if source == "card":
+        card = ("dataset_info:\n- config_name: sample-10BT\n  splits:\n  - name: train\n    num_bytes: 1000\n"
+                f"    num_examples: {len(docs)}\n---\n")
+        (tmp_path / "fineweb-edu" / "README.md").write_text(FINEWEB_EDU_README.replace("---\n#", card + "#"))
+        monkeypatch.setattr(fineweb, "parquet_rows", lambda *args: None)
+    run("--dataset", tmp_path / "fineweb-edu", "--output_dir", tmp_path / "edu", "--shard_size", 1500,
+        "--val_tokens", 600, "--batch_chars", 1)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("tokenizing: ")]
+    assert len(lines) >= 5 and all(f"/{len(docs)} documents, " in ln for ln in lines), lines
+    assert lines[-1].startswith(f"tokenizing: 100% ({len(docs)}/{len(docs)} documents, ")
 
 
 def test_streaming_missing_text_column(tmp_path, monkeypatch):

@@ -97,6 +97,50 @@ def test_a_bar_in_a_log_prints_each_tenth_on_rank_0_only(capsys, monkeypatch):
     assert [line.split(" (")[0] for line in lines] == [f"pass: {p}%" for p in (12, 20, 32, 40, 52, 60, 72, 80, 92, 100)]
 
 
+def test_a_bar_resumed_or_without_a_total(capsys, monkeypatch):
+    """A resumed pass (initial) times only this run's share; a pass of unknown length prints a line a minute."""
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "time", lambda: now[0])
+    bar = progress.Bar(100, "tokenizing", "documents", initial=50)
+    bar.note = "7 shards"
+    now[0] = 20.0
+    bar.update(10)  # 10 documents in 20 s: the 40 left take 80 s
+    bar = progress.Bar(None, "stream", "documents")
+    for _ in range(3):
+        now[0] += 35.0
+        bar.update(700)
+    assert capsys.readouterr().out.splitlines() == [
+        "tokenizing: 60% (60/100 documents, 7 shards), 20s, ETA 1m20s",
+        "stream: 1,400 documents, 1m10s, 20 documents/s",  # (at 70 s: the first minute passed)
+    ]
+
+
+def test_a_big_checkpoint_says_what_it_writes_and_how_long(tmp_path, monkeypatch, capsys):
+    """A .pt and a .dcp at least LOUD_BYTES: a line before (what, about how big) and one after (its size on disk,
+    how long); a smaller one says nothing, nor does the .dcp's meta.pt (written quietly inside the folder)."""
+    import torch
+    from conftest import free_port
+    from plumbing import checkpoints, world
+    monkeypatch.setattr(checkpoints, "LOUD_BYTES", 4000)
+    big, small, dcp = (str(tmp_path / f"model_0000{i}.{ext}") for i, ext in ((1, "pt"), (2, "pt"), (3, "dcp")))
+    checkpoints.atomic_save({"w": torch.zeros(1000)}, big)  # 4000 bytes
+    checkpoints.atomic_save({"w": torch.zeros(999)}, small)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        ranks = world.Ranks(rank=0, world_size=1, local_rank=0, local_world=1, launcher="test")
+        checkpoints.save_sharded(dcp, {"model": {"w": torch.zeros(1000)}}, {"step": 3}, ranks)
+    finally:
+        torch.distributed.destroy_process_group()
+    size = checkpoints.folder_bytes(dcp)
+    assert size > 4000 and size == sum(os.path.getsize(os.path.join(dcp, f)) for f in os.listdir(dcp))
+    gb = re.escape(f"{os.path.getsize(big) / 1e9:.2f}")
+    assert re.fullmatch(rf"checkpoint: writing {big} \(about 0.00 GB\)\n"
+                        rf"checkpoint: {big} written, {gb} GB in \d+\.\ds \([\d.]+ GB/s\)\n"
+                        rf"checkpoint: writing {dcp} \(about 0.00 GB\)\n"
+                        rf"checkpoint: {dcp} written, {size / 1e9:.2f} GB in \d+\.\ds \([\d.]+ GB/s\)\n",
+                        capsys.readouterr().out)
+
+
 def test_a_weights_download_says_its_size_once(monkeypatch, capsys):
     """OpenAI's weights not in the hub's cache: one line with their size, then huggingface_hub's own progress."""
     import huggingface_hub
