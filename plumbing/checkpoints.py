@@ -44,7 +44,10 @@ def atomic_write(path, write, tmp=None):
 LOUD_BYTES = 2**30
 
 def tensor_bytes(obj):
-    """The bytes of every tensor in a nested dict/list (a checkpoint's state; a DTensor: this rank's pieces)."""
+    """The bytes of every tensor in a nested dict/list (a checkpoint's state; a DTensor or a ShardedTensor, as tensor
+    parallel's c_attn is written: this rank's pieces)."""
+    if hasattr(obj, "local_shards"):  # (a ShardedTensor's numel() raises: it has no whole size to give)
+        return sum(tensor_bytes(shard.tensor) for shard in obj.local_shards())
     if isinstance(obj, torch.Tensor):
         t = obj.to_local() if hasattr(obj, "to_local") else obj
         return t.numel() * t.element_size()
