@@ -192,7 +192,8 @@ for layout in (layouts.Layout("fsdp", "full", 1), layouts.Layout("fsdp_grads", "
     out[layout.name] = {"seen": list(seen), "a_block": layout.sent_in_blocks / (3 * config.n_layer)}
 if dist.get_rank() == 0:
     print(json.dumps(out))
-dist.destroy_process_group()
+from plumbing import world
+world.leave_process_group()
 '''
 
 

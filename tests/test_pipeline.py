@@ -239,7 +239,9 @@ everything = [None] * 4
 dist.all_gather_object(everything, out)
 if dist.get_rank() == 0:
     print(json.dumps(everything))
-dist.destroy_process_group()
+del pipe  # the model goes before the group (world.leave_process_group says why)
+from plumbing import world
+world.leave_process_group()
 '''
 
 

@@ -240,7 +240,9 @@ for dtype in ("fp32", "bf16"):
     out[dtype] = {"seen": list(seen), "plan": tensor_parallel.rank_plan(config, 2, 1, 2, 16, 3, dtype)[1]}
 if dist.get_rank() == 0:
     print(json.dumps(out))
-dist.destroy_process_group()
+del tp  # the model goes before the group (world.leave_process_group says why)
+from plumbing import world
+world.leave_process_group()
 '''
 
 
