@@ -91,9 +91,8 @@ def arrow_rows(batches, row, start_row):
     try:
         for batch in batches:
             if row + len(batch) > start_row:
-                for i, text in enumerate(batch.column(0).to_pylist(), row):
-                    if i >= start_row:
-                        yield i, text
+                skip = max(0, start_row - row)
+                yield from enumerate(batch.column(0).slice(skip).to_pylist(), row + skip)
             row += len(batch)
     except BaseException:    # closed early (Ctrl-C) or an error: an Arrow reader left half-read can abort the
         # interpreter at exit ("terminate called without an active exception"); free it while Python is alive
@@ -119,18 +118,13 @@ def local_units(files, field):
             raise SystemExit(f"error: {path}: cannot read it ({type(e).__name__}: {e})")
     return [Unit(path, lambda start, p=path: read_file(p, field, start)) for path in files]
 
-def count_rows(path):
-    """A local file's rows (read_file's), for the progress bar's total and its ETA: a .txt is one, a .parquet's
-    rows are in its footer, a .jsonl's lines are counted (one pass over its bytes, as `wc -l` does)."""
-    if path.lower().endswith(".parquet"):
-        return pq.ParquetFile(path).metadata.num_rows
-    if not path.lower().endswith(".jsonl"):
+def count_rows(path, opener=open):
+    """A file's rows (read_file's), for the progress bar's total and its ETA: a .txt is one, a .parquet's rows are
+    in its footer (a small read; on the Hub, opener=xopen: a range request), a .jsonl's lines are counted."""
+    if not path.lower().endswith((".parquet", ".jsonl")):
         return 1
-    rows, last = 0, b"\n"
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            rows, last = rows + chunk.count(b"\n"), chunk[-1:]
-    return rows + (last != b"\n")  # (a last line with no newline)
+    with opener(path, "rb") as f:
+        return pq.ParquetFile(f).metadata.num_rows if path.lower().endswith(".parquet") else sum(1 for _ in f)
 
 def hub_units(dataset, name, split, field):
     """A Hugging Face dataset, streamed: rows are downloaded as they are read. One unit per data file, so
@@ -154,19 +148,14 @@ def hub_units(dataset, name, split, field):
     return units, parquet_rows(dataset, name, split, n) or getattr(split_info, "num_examples", None) or None
 
 def parquet_rows(dataset, name, split, n):
-    """Each of a dataset's n data files' rows, when they are parquet files (FineWeb-Edu's are): from their footers,
-    a small read each (on the Hub, a range request). None otherwise, or if anything fails: a total helps, no more."""
+    """Each of a dataset's n data files' rows, when they are parquet files (FineWeb-Edu's are), from their footers.
+    None otherwise, or if anything fails: a total helps, no more."""
     import datasets
     from datasets.utils.file_utils import xopen    # (opens hf:// paths too)
     try:
-        files = datasets.load_dataset_builder(dataset, name=name).config.data_files[split]
-        if len(files) != n or not all(str(f).endswith(".parquet") for f in files):
-            return None
-        rows = []
-        for f in files:
-            with xopen(f, "rb") as file:
-                rows.append(pq.ParquetFile(file).metadata.num_rows)
-        return rows
+        files = [str(f) for f in datasets.load_dataset_builder(dataset, name=name).config.data_files[split]]
+        parquet = len(files) == n and all(f.endswith(".parquet") for f in files)
+        return [count_rows(f, xopen) for f in files] if parquet else None
     except Exception:
         return None
 
@@ -289,11 +278,11 @@ class Sharder:
         self.parts, self.fill = [], 0         # the shard being filled: token arrays, and their total length
 
     def add(self, batch, tokens, ends):
-        """Append one tokenized batch; returns how many tokens it added."""
+        """Append one tokenized batch."""
         def place(r, token=0):   # the place at token `token` of the batch's row r (r == len(ends): after the batch)
             return (*batch.places[r], token) if r < len(ends) else (batch.places[-1][0], batch.places[-1][1] + 1, 0)
-        p, n = self.skip, len(tokens)
-        added, self.skip = n - p, 0
+        p, n, self.skip = self.skip, len(tokens), 0
+        self.tokens += n - p
         self.docs += int(np.count_nonzero(tokens[p:] == EOT))
         while p < n:
             if self.index == 0:   # val: whole documents, up to and including the first that reaches val_tokens
@@ -310,8 +299,6 @@ class Sharder:
             if full:
                 self._write(end)
         self.end = place(len(ends))
-        self.tokens += added
-        return added
 
     def _write(self, end):
         split = "val" if self.index == 0 else "train"
@@ -337,9 +324,8 @@ class Sharder:
         save_manifest(self.manifest_path, self.manifest)
 
 def tokenize_all(units, manifest, manifest_path, args, rows=None):
-    """The main loop: read, tokenize, cut and write until the input ends. rows, the progress bar's total (on a
-    terminal a bar with an ETA, in a log a line each tenth): each unit's (local files: a place's row counts
-    exactly), or the input's in all (a dataset's card: documents are counted as they come), or None (not known)."""
+    """The main loop: read, tokenize, cut and write until the input ends. rows, the progress bar's total: each
+    unit's (a place's row counts exactly), the input's in all (a card's: documents counted as they come), or None."""
     sharder = Sharder(args, manifest, manifest_path)
     if manifest["shards"]:
         print(f"resuming after {manifest['shards'][-1]['file']} ({len(manifest['shards'])} shards done, "
@@ -427,7 +413,6 @@ def main(argv=None):
             # the files and their sizes identify local input (so that a changed input is noticed)
             h = hashlib.sha256("".join(f"{os.path.abspath(f)}\t{os.path.getsize(f)}\n" for f in files).encode())
             source = {"files": len(files), "first": os.path.abspath(files[0]), "sha256": h.hexdigest()}
-            rows = None  # counted below, only if there is work to do
         else:
             units = None    # opened below, only if there is work to do (it contacts the Hub)
             source = {"dataset": args.dataset, "name": args.name or None, "split": args.split}
@@ -437,7 +422,7 @@ def main(argv=None):
         if manifest["complete"]:
             print(f"{args.output_dir} is already complete; nothing to do (pass --overwrite to redo it)")
         else:
-            if units:
+            if units:  # (counted only now that there is work to do)
                 rows = [count_rows(f) for f in files]
             else:
                 units, rows = hub_units(args.dataset, args.name or None, args.split, args.text_field)
