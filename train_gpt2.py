@@ -463,7 +463,7 @@ def choose_layout(run, ckpt):
         if args.parallel != "auto":  # forced: refused if it cannot fit
             layouts.check_fits(args, config, ranks, run.dtype == "bf16")
         else:
-            layout, why = layouts.decide(args, config, ranks, run.dtype == "bf16", run.autocast, lambda: Block(config))
+            layout, why = layouts.decide(args, config, ranks, run.dtype == "bf16", run.autocast, (Block, GPT))
             ranks.print0(why)
             args.shard, args.pp, args.tp = layout.shard, layout.pp, layout.tp
             check_args(args, ranks.world_size)

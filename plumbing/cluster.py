@@ -8,6 +8,7 @@ import math
 import os
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -83,30 +84,50 @@ def time_block(make_block, rows, seq_len, n_embd, autocast, ranks, turns=5, layo
     Not each rank's best turn: with more ranks than cores, each rank's best is a turn in which it happened to run
     alone. Nor the best of single passes: with 3 ranks on 2 cores one pass caught bursts (a block of 176 ms in one
     run, 229 in another, for steps of one speed) and TP's, four waits on the slowest rank, swung 123-212 ms.
-    layout: the block as that Layout runs it (FSDP: sharded, gathered for its forward and again for its backward, its
-    gradients kept whole for the step's last micro-step; ZeRO-2: gathered once and kept, its gradients accumulated
-    whole in fp32 by FSDP's hooks, which cost a plain block's time again in part: measured, GPT-2 medium's shape on 2
-    ranks, ZeRO-2's steps took 1.1-1.3x its plain blocks' time; TP: split over its group), else plain, under one
-    autocast a turn (a pipeline's stage casts its weights once a step)."""
-    block = make_block()
+    layout: the block as that Layout runs it (as_layout_runs), else plain, under one autocast a turn (a pipeline's
+    stage casts its weights once a step)."""
+    block = as_layout_runs(make_block(), layout, ranks, bf16)
+    block = speedups.compile_model(block) if compiled else block
+    x = torch.randn(rows, seq_len, n_embd, requires_grad=True)
+    return timed_passes(lambda: block(x).float().sum().backward(), autocast, ranks, turns)
+
+def time_head(make_head, rows, seq_len, vocab_size, autocast, ranks, shard, bf16=False, compiled=False):
+    """Seconds of a micro-step's embeddings, lm_head and loss (make_head(): a GPT of no blocks), forward and backward,
+    sharded as `shard` ("full", "grads") shards it. Sharded runs let the C library give freed memory back to the OS
+    (train_gpt2.py keeps it only for the others), so their vocabulary-sized temporaries (the tied weight's gradients
+    from the loss and the embedding, their fp32 copies, the logits) are page-faulted in afresh every micro-step:
+    GPT-2 medium's shape, 2 ranks, AMD EPYC Zen 4, 256 tokens: 1.41 s (ZeRO-2), 1.99 s (FSDP) against 0.65 s with the
+    memory kept, the FLOPs' share. A block's temporaries are too small for that (malloc keeps them)."""
+    model = as_layout_runs(make_head(), SimpleNamespace(name="fsdp" if shard == "full" else "fsdp_grads"), ranks, bf16)
+    model = speedups.compile_model(model) if compiled else model
+    idx = torch.randint(0, vocab_size, (rows, seq_len))
+    return timed_passes(lambda: model(idx, idx)[1].backward(), autocast, ranks, turns=3)
+
+def as_layout_runs(module, layout, ranks, bf16):
+    """module as `layout` runs it: FSDP ("fsdp": sharded, gathered for its forward and again for its backward, its
+    gradients kept whole as on a step's micro-steps before the last; "fsdp_grads", ZeRO-2: gathered once and kept, its
+    gradients accumulated whole in fp32 by FSDP's hooks), split over tensor parallel's group (tp > 1), or plain."""
     if layout is not None and layout.name in ("fsdp", "fsdp_grads"):
         from torch.distributed.fsdp import fully_shard
         gathered = layout.name == "fsdp_grads"
-        fully_shard(block, mp_policy=sharding.precision(bf16), reshard_after_forward=not gathered)
-        block.set_requires_gradient_sync(False)
-        block.set_reshard_after_backward(not gathered)
+        fully_shard(module, mp_policy=sharding.precision(bf16), reshard_after_forward=not gathered)
+        module.set_requires_gradient_sync(False)
+        module.set_reshard_after_backward(not gathered)
     elif layout is not None and layout.tp > 1:
-        tensor_parallel.split_block(block, world.mesh_of(ranks.world_size, 1, layout.tp, "cpu")["tp"], layout.tp)
-    block = speedups.compile_model(block) if compiled else block
-    x = torch.randn(rows, seq_len, n_embd, requires_grad=True)
+        tensor_parallel.split_block(module, world.mesh_of(ranks.world_size, 1, layout.tp, "cpu")["tp"], layout.tp)
+    return module
+
+def timed_passes(one_pass, autocast, ranks, turns):
+    """The median turn's slowest rank, over `turns` turns after one of warm-up (FSDP's and TP's first pass also sets
+    them up), per pass; a turn runs enough passes to last 0.5 s (and only 3 turns where a pass lasts 2 s or more)."""
     def turn(passes):
         torch.distributed.barrier()
         start = time.perf_counter()
         with autocast:
             for _ in range(passes):
-                block(x).float().sum().backward()
+                one_pass()
         return slowest(time.perf_counter() - start, ranks) / passes
-    turn(1)  # warm-up (FSDP's and TP's first pass also sets them up)
+    turn(1)
     one = turn(1)
     passes = max(1, math.ceil(0.5 / one))
     return statistics.median([turn(passes) for _ in range(turns if one < 2 else 3)])

@@ -104,22 +104,22 @@ def warm_up_vector_math():
 # Memory: keep what was freed. A training step allocates and frees the same big tensors every time
 # (activations, logits chunks, gradients). glibc's malloc serves every block over 32 MB with its own
 # mmap and unmaps it when freed, so each step the kernel hands those pages back one 4 KB page fault
-# at a time, zero-filled: ~550,000 faults, about a sixth of a 124M step on a 2-core VM. Telling malloc
-# never to use mmap for big blocks, and never to give the top of its heap back, lets the second step
-# reuse the first one's memory: no faults after warm-up (bench/bench_train.py shows faults/step and the A/B).
+# at a time, zero-filled: ~550,000 faults, a sixth of a 124M step on a 2-core VM. Malloc told never to mmap
+# nor give its heap's top back, the next step reuses it: no faults after warm-up (bench/bench_train.py: faults, A/B).
 
-def keep_freed_memory():
-    """mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, -1) where the C library is glibc; True if set.
-    Another allocator (LD_PRELOAD of tcmalloc, jemalloc; macOS) keeps its own policy."""
-    if not sys.platform.startswith("linux"):
-        return False
+def keep_freed_memory(keep=True):
+    """mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, -1) where the C library is glibc; True if set. keep=False:
+    glibc's usual policy back, at the thresholds its adaptive ones settle at in a step (blocks over 32 MB mapped,
+    up to 64 MB of the heap's free top kept). Another allocator (LD_PRELOAD of tcmalloc, jemalloc; macOS) keeps its own."""
     try:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # only glibc has it (musl's mallopt does nothing)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # (TypeError: Windows has no CDLL(None))
         return False
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # from glibc's malloc.h
-    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # from glibc's malloc.h
+    settings = {M_MMAP_MAX: 0, M_TRIM_THRESHOLD: -1} if keep else {M_MMAP_MAX: 65536, M_MMAP_THRESHOLD: 32 << 20,
+                                                                    M_TRIM_THRESHOLD: 64 << 20}
+    return all([bool(libc.mallopt(option, value)) for option, value in settings.items()])
 
 # -----------------------------------------------------------------------------
 # What this CPU computes fast. With AVX512-BF16 or AMX (x86), or Arm's BF16 extension, oneDNN runs bf16

@@ -12,20 +12,22 @@ decided from the CPU: measured, predicted, and said in one line.
     bandwidth), and the pipeline's bubble. The fastest prediction wins; the line gives it, the runner-up, and the
     flag that forces another.
   - Layouts that talk inside every block (FSDP gathers each block's weights twice a micro-step, TP all-reduces its
-    activations four times) have that block timed as they run it, collectives and all (docs/parallel.md).
+    activations four times) have that block timed as they run it, collectives and all (docs/parallel.md); sharded
+    layouts their embeddings and loss too, whose vocabulary-sized temporaries page-fault anew each micro-step.
   - Nodes: ranks with one hostname share a node (shared memory between them, the network between nodes). Tensor
     parallel is offered only where its groups lie inside a node (its block is timed there, on that link); with
     several nodes of several ranks, the link across nodes is timed between one rank of each node.
 
 The predictions assume nothing overlaps: compute, then sending (DDP and FSDP overlap some: docs/parallel.md).
 """
+import dataclasses
 import socket
 from dataclasses import dataclass
 
 import torch
 
-from plumbing import sharding, speedups, stage_split, tensor_parallel
-from plumbing.cluster import crowding, free_memory, measure_network, time_block
+from plumbing import cpu, sharding, speedups, stage_split, tensor_parallel
+from plumbing.cluster import crowding, free_memory, measure_network, time_block, time_head
 from plumbing.world import describe_nodes, inside_nodes, nodes_of
 
 FORCED = {"dp": ("none", 1), "fsdp": ("full", 1), "fsdp_grads": ("grads", 1)}  # --parallel NAME: (--shard, --pp)
@@ -48,6 +50,8 @@ class Layout:
     sent: float = 0.0  # bytes the busiest rank sends a step
     sent_in_blocks: float = 0.0  # of them, the bytes inside `block`'s time (FSDP's gathers of the blocks, TP's all-reduces)
     block: float = 0.0  # seconds of a block's forward and backward as this layout runs it (FSDP, TP: timed); 0: plain
+    head: float = 0.0  # seconds of the embeddings' and the loss's, sharded (timed: cluster.time_head); 0: by FLOPs
+    sent_in_head: float = 0.0  # the bytes inside `head`'s time (FSDP's gathers of the embeddings)
     seconds: float = 0.0  # the predicted step
     bounds: tuple = ()  # a pipeline's stages, (first block, end) each (stages())
 
@@ -113,7 +117,8 @@ def plan(layout, config, world, rows, seq_len, micro_steps, bf16, budget=None):
         layout.memory = STATE_BYTES * P / world + 2 * (4 * block + 4 * embeddings) + whole + acts(L) + \
             beyond_state(P, 1, config, False)  # (every gradient is computed whole: its temporaries, 2 bytes each)
         layout.sent = sharding.bytes_sent(P, P, world, "full", micro_steps, bf16)
-        layout.sent_in_blocks = 2 * micro_steps * ring(world, L * block * weight)  # (the embeddings' go over the link)
+        layout.sent_in_blocks = 2 * micro_steps * ring(world, L * block * weight)
+        layout.sent_in_head = 2 * micro_steps * ring(world, embeddings * weight)
     elif layout.name == "fsdp_grads":  # weights and moments sharded; every weight gathered and kept, gradients whole
         layout.memory = (STATE_BYTES - 4) * P / world + (weight + 4) * P + acts(L) + beyond_state(P, 1, config, False)
         layout.sent = sharding.bytes_sent(P, P, world, "grads", micro_steps, bf16)
@@ -165,7 +170,7 @@ def predict(layout, config, world, seq_len, micro_steps, block_seconds, link, cr
     bandwidth, latency = link
     L = config.n_layer
     block_cost, head_cost = stage_split.stage_costs(config, seq_len)
-    head = head_cost / block_cost * block_seconds  # lm_head and the loss, whole on every rank that computes them
+    head = layout.head or head_cost / block_cost * block_seconds  # lm_head and the loss, whole on each rank computing them
     if layout.pp == 1:  # FSDP's and TP's blocks as they run them (TP: its share of each, its all-reduces inside)
         compute = micro_steps * (L * (layout.block or block_seconds) + head)
         messages = {"fsdp": 2 * micro_steps + L + 1, "fsdp_grads": 2 * (L + 1), "dp": L + 1, "tp": 1}[layout.name]
@@ -178,7 +183,8 @@ def predict(layout, config, world, seq_len, micro_steps, block_seconds, link, cr
         # whole step's work, bound it instead; with a core for every thread (crowd 1) the chain is always longer.
         compute = max(chain, micro_steps * (L * (layout.block or block_seconds) + head) / layout.pp)
         messages = 2 * micro_steps + 2
-    sending = (layout.sent - layout.sent_in_blocks * bool(layout.block)) / bandwidth  # (untimed: all over the link)
+    timed = layout.sent_in_blocks * bool(layout.block) + layout.sent_in_head * bool(layout.head)
+    sending = (layout.sent - timed) / bandwidth  # (the untimed bytes: all over the link)
     layout.seconds = compute + sending + messages * 2 * (world - 1) * latency
     return layout
 
@@ -209,9 +215,10 @@ def check_fits(args, config, ranks, bf16):
                          f"activations), and a rank has {gib(free)}" + (" (--max_memory)" if args.max_memory else " free")
                          + ": more ranks, a smaller --batch_size, or another layout (--parallel auto chooses one)")
 
-def decide(args, config, ranks, bf16, autocast, make_block):
+def decide(args, config, ranks, bf16, autocast, models):
     """--parallel auto on `ranks`: the Layout to train with, and the line that says why (see the top of this file).
-    args: the run's (batch_size, seq_len, total_batch_size, max_memory)."""
+    args: the run's (batch_size, seq_len, total_batch_size, max_memory); models: (Block, GPT), the classes to time."""
+    make_block, make_head = lambda: models[0](config), lambda: models[1](dataclasses.replace(config, n_layer=0))
     W = ranks.world_size
     free = free_memory(ranks, args.max_memory)
     micro = lambda dp: args.total_batch_size // (args.batch_size * args.seq_len * dp)  # noqa: E731
@@ -230,16 +237,29 @@ def decide(args, config, ranks, bf16, autocast, make_block):
     compiled = speedups.will_compile(getattr(args, "compile", False), "cpu")
     timed = lambda layout=None: time_block(make_block, args.batch_size, args.seq_len, config.n_embd, autocast, ranks,  # noqa: E731
                                            layout=layout, bf16=bf16, compiled=compiled)
-    block_seconds, own = timed(), {}  # (FSDP's, ZeRO-2's and each tp degree's block: timed once, for tp and pp x tp)
+    # Each piece timed under the memory policy its run has: train_gpt2.py keeps freed memory (cpu.keep_freed_memory)
+    # but for sharded runs, whose memory is short (a plain block measured 0.90x its time without: GPT-2 medium, Zen 4)
+    own, heads = {}, {}  # (FSDP's, ZeRO-2's, each tp degree's block: timed once, for tp and pp x tp)
+    cpu.keep_freed_memory()
+    block_seconds = timed()
     for layout in layouts:
-        kind = layout.name if layout.name in ("fsdp", "fsdp_grads") else layout.tp if layout.tp > 1 else None
-        if kind is not None and layout.memory <= HEADROOM * free:
-            layout.block = own[kind] = own.get(kind) or timed(Layout(layout.name, "none", 1, layout.tp))
+        if layout.tp > 1 and layout.memory <= HEADROOM * free:
+            layout.block = own[layout.tp] = own.get(layout.tp) or timed(Layout("tp", "none", 1, layout.tp))
+    cpu.keep_freed_memory(False)
+    for layout in layouts:
+        if layout.name in ("fsdp", "fsdp_grads") and layout.memory <= HEADROOM * free:
+            layout.block = own[layout.name] = own.get(layout.name) or timed(Layout(layout.name, "none", 1))
+        # a sharded layout's embeddings and loss, timed as it runs them (a sharded stage's: ZeRO-2's way, no traffic)
+        shard = "grads" if layout.pp > 1 and layout.shard != "none" else layout.shard
+        if shard != "none" and layout.memory <= HEADROOM * free:
+            layout.head = heads[shard] = heads.get(shard) or time_head(
+                make_head, args.batch_size, args.seq_len, config.vocab_size, autocast, ranks, shard, bf16, compiled)
         predict(layout, config, W, args.seq_len, micro(W // (layout.pp * layout.tp)), block_seconds, link, crowd)
     chosen, runner_up = choose(layouts, free, fits_alone=False)
     own = ", ".join(f"{k if isinstance(k, str) else f'tp {k}'}'s {seconds * 1000:.0f}" for k, seconds in own.items())
     measured = (f"link {link[0] / 1e6:.0f} MB/s, {link[1] * 1e6:.0f} us" + " across nodes" * (len(nodes) > 1) +
-                f"; a block {block_seconds * 1000:.0f} ms" + (f" ({own})" if own else "") +
+                f"; a block {block_seconds * 1000:.0f} ms" + (f" ({own})" if own else "") + "".join(
+                    f"; embeddings and loss {seconds * 1000:.0f} ms (--shard {shard})" for shard, seconds in heads.items()) +
                 f"; {gib(free)} free a rank; {describe_nodes(nodes)}" + (f", {crowd:.2g} threads a core" if crowd > 1 else ""))
     if chosen is None:
         least = min(layouts, key=lambda l: l.memory)

@@ -137,6 +137,54 @@ def test_ranks_crowding_a_nodes_cores_lend_a_pipelines_idle_time():
         assert seconds[1.5][name] == seconds[1.0][name]
 
 
+def test_sharded_layouts_predict_their_timed_embeddings_and_loss():
+    """Sharded runs give freed memory back to the OS, so their vocabulary-sized temporaries page-fault in afresh every
+    micro-step: measured, GPT-2 medium's shape on 2 ranks, the embeddings and loss took 1.31 s (ZeRO-2) and 2.01 s (FSDP)
+    a micro-step against the 0.59 s their FLOPs give, and ZeRO-2, predicted at 17.7 s, ran 23-25 s. The timed head
+    replaces the FLOPs' share on every rank that computes it (a sharded pipeline's last stage), and FSDP's gathers of the
+    embeddings, inside that time, are not sent over the link again."""
+    p, link = planned(world=4, tokens=4 * 2 * 256), (1.25e8, 0.0)
+    block_cost, head_cost = layouts.stage_split.stage_costs(GPT2, 256)
+    for name in ("fsdp", "fsdp_grads", "pp2grads", "pp2full"):
+        layout, micro = p[name], micro_steps(p[name], world=4, tokens=4 * 2 * 256)
+        flops = layouts.predict(layout, GPT2, 4, 256, micro, 0.1, link).seconds
+        layout.head = 3.0
+        timed = layouts.predict(layout, GPT2, 4, 256, micro, 0.1, link).seconds
+        stages = layout.bounds or [(0, GPT2.n_layer)]
+        def busiest(head):  # a micro-step on the busiest rank: the whole model's, or the slowest stage's
+            return max((b - a) * 0.1 + (s == len(stages) - 1) * head for s, (a, b) in enumerate(stages))
+        runs = micro + 1 if layout.pp > 1 else micro  # (a pipeline of 2 stages: M + 1 micro-steps of its slowest stage)
+        expected = runs * (busiest(3.0) - busiest(head_cost / block_cost * 0.1)) - layout.sent_in_head / link[0]
+        assert timed - flops == pytest.approx(expected) and abs(expected) > 1, name
+        assert (layout.sent_in_head > 0) == (name == "fsdp")
+
+
+def test_auto_times_each_piece_under_the_memory_policy_of_its_run(monkeypatch):
+    """train_gpt2.py keeps freed memory (cpu.keep_freed_memory) for DDP, pipelines and TP, not for sharded runs: the plain
+    and TP blocks are timed with it kept (a plain block ran 1.11x slower without, GPT-2 medium's shape, AMD EPYC Zen 4),
+    then glibc's policy is given back and FSDP's and ZeRO-2's blocks and the sharded heads are timed under it."""
+    from types import SimpleNamespace
+    from contextlib import nullcontext
+    kept, timed = [False], []
+    monkeypatch.setattr(layouts.cpu, "keep_freed_memory", lambda keep=True: kept.__setitem__(0, keep))
+    monkeypatch.setattr(layouts.torch.distributed, "all_gather_object", lambda out, obj: out.__setitem__(slice(None), [obj] * len(out)))
+    monkeypatch.setattr(layouts, "crowding", lambda ranks: 1.0)
+    monkeypatch.setattr(layouts, "measure_network", lambda ranks, nodes: (1.25e9, 50e-6))
+    def block(make_block, *args, layout=None, **kwargs):
+        timed.append((layout.short() if layout else "plain", kept[0]))
+        return 0.1
+    monkeypatch.setattr(layouts, "time_block", block)
+    monkeypatch.setattr(layouts, "time_head", lambda make_head, *args: timed.append((args[-3] + " head", kept[0])) or 0.8)
+    p = planned(world=2, tokens=2 * 2 * 256)
+    free = 1.05 * max(l.memory for name, l in p.items() if name != "dp") / layouts.HEADROOM
+    monkeypatch.setattr(layouts, "free_memory", lambda ranks, max_memory: free)
+    args = SimpleNamespace(batch_size=1, seq_len=256, total_batch_size=2 * 2 * 256, max_memory=None, tp=1, compile=False)
+    chosen, line = layouts.decide(args, GPT2, SimpleNamespace(world_size=2), False, nullcontext(), (None, None))
+    assert timed == [("plain", True), ("tp 2", True), ("fsdp", False), ("full head", False), ("fsdp_grads", False),
+                     ("grads head", False)], timed
+    assert "embeddings and loss 800 ms (--shard full); embeddings and loss 800 ms (--shard grads)" in line
+
+
 def test_crowding_counts_every_rank_on_the_machine_whatever_its_hostname():
     """Ranks on one machine (one kernel boot id) share its cores even under hostnames of their own (containers,
     bench_parallel.py's namespaces as nodes): 4 ranks of a thread each on one core crowd it 4x, not 2x per hostname
