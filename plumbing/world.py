@@ -165,6 +165,11 @@ def init_process_group(backend, rank, world_size, local_world, launcher, timeout
         os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ.setdefault("MASTER_PORT", "29500")
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    # Imported before the group exists, not first by DDP's constructor: its functions take the group at import
+    # (group=group.WORLD as a default argument), and would keep it, and its gloo threads, alive past
+    # leave_process_group, still running as the process exits (a 2-rank DDP run of the tests aborted there, 1 in
+    # ~60 on busy cores: "terminate called without an active exception"; torch 2.13)
+    import torch.distributed.nn  # noqa: F401
     try:  # the timeout bounds both this rendezvous and every later collective
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     except (RuntimeError, ValueError) as e:
@@ -272,8 +277,10 @@ def leave_process_group():
     cycles included): DDP's reducer and FSDP's device mesh hold the group, and if their destructors destroyed
     it, they would do so holding Python's lock (GIL), which can deadlock with a gloo thread that needs it
     (seen with torch 2.8 + IPEX). (Once, a sharded 3-rank run whose model outlived the group aborted at exit:
-    "terminate called without an active exception"; since then the models go first.)"""
+    "terminate called without an active exception"; since then the models go first.) The cached mesh goes too:
+    it holds its groups, and with them their gloo threads."""
     import gc
+    mesh_of.cache_clear()
     gc.collect()
     torch.distributed.destroy_process_group()
 

@@ -450,6 +450,36 @@ def test_torchrun_two_ranks_sharded_equals_ddp_and_one_process(single, two_ranks
     assert re.search(r"peak memory per rank: [\d.]+, [\d.]+ GiB", proc.stdout)
 
 
+LEAVE_GROUP = """
+import os, sys, torch
+sys.path.insert(0, sys.argv[1])
+from plumbing import world
+world.init_process_group("gloo", int(os.environ["RANK"]), 2, 2, "torchrun", 60)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(768, 768))
+model(torch.randn(4, 768)).sum().backward()
+mesh = world.mesh_of(2, 2, 1, "cpu")  # a pipeline's mesh, made once a process (a cache keeps it)
+torch.distributed.all_reduce(torch.ones(3), group=mesh["pp"].get_group())
+del model, mesh
+world.leave_process_group()
+threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+os.write(1, f"gloo threads left: {sorted(t for t in threads if 'gloo' in t)}\\n".encode())  # one write: a shared pipe
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/task")
+def test_leaving_the_group_ends_its_threads(tmp_path):
+    """After leave_process_group no gloo thread may run: one still running as the process exits can abort it,
+    after a run that did everything right ("terminate called without an active exception"). DDP's constructor
+    first imports a torch module whose default arguments keep the group, unless it was imported before; the
+    cached device mesh keeps its groups. (FSDP's and tensor parallel's DTensors still leave torch's own caches
+    holding theirs.)"""
+    script = tmp_path / "leave_group.py"
+    script.write_text(LEAVE_GROUP)
+    proc = subprocess.run([*TORCHRUN, str(script), REPO], capture_output=True, text=True, env=clean_env(), timeout=LIMIT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("gloo threads left: []") == 2, proc.stdout
+
+
 BUILD_SHARDED = """
 import sys, torch
 sys.path.insert(0, sys.argv[1])
