@@ -13,8 +13,10 @@ The rule (choose). A shape trained for D tokens is predicted to reach Chinchilla
 
     L(N, D) = 1.69 + 406.4 / N^0.34 + 410.7 / D^0.28
 
-with N its non-embedding parameters (12 d width^2: the blocks; Kaplan et al. 2020 found those, not the
-embedding, predict the loss) and D = the tokens/s measured here x the seconds left for training. The
+with N every parameter, as the fit counted them (the blocks' 12 d width^2, and the embeddings: GPT-2's 50304 x
+width, most of a small shape's; counting the blocks alone, as Kaplan et al. 2020 did for their own law, sized the
+model too large: on 2 Zen 4 cores for 15 minutes it chose depth 6, and depth 4 reached a lower loss) and
+D = the tokens/s measured here x the seconds left for training. The
 shape with the lowest L wins. For a fixed FLOP count 6 N D this fit is lowest near 20 tokens a
 parameter at 1e17 FLOPs, Chinchilla's rule (16 at 6e15, 50 at 1e21: the fit's ratio grows slowly); here D comes from the speed measured on this CPU, where GPT-2's 50304 x
 width lm_head makes the small shapes slower than 6 N says, so the rule picks from measured rates, not
@@ -82,9 +84,15 @@ def shape(depth):
     return dict(n_layer=depth, n_head=depth, n_embd=64 * depth, block_size=min(1024, 128 * depth))
 
 def blocks_params(depth):
-    """N of the rule: the blocks' parameters, 12 width^2 a block (attention 4, MLP 8)."""
+    """The blocks' parameters, 12 width^2 a block (attention 4, MLP 8)."""
     s = shape(depth)
     return 12 * s["n_layer"] * s["n_embd"] ** 2
+
+def parameters(depth):
+    """N of the rule: every parameter, as Chinchilla's fit counted them: the blocks, and the token and position
+    embeddings (50304 and context rows of width; lm_head is the token embedding, tied)."""
+    s = shape(depth)
+    return blocks_params(depth) + (50304 + s["block_size"]) * s["n_embd"]
 
 def predicted_loss(n, tokens):
     return E + A / n ** ALPHA + B / max(tokens, 1.0) ** BETA
@@ -99,7 +107,7 @@ def choose(step_s, train_s, explicit=None, replicas=1):
     if explicit.get("n_layer") in rates:
         depth = explicit["n_layer"]
     else:
-        depth = min(rates, key=lambda d: predicted_loss(blocks_params(d), rates[d] * train_s))
+        depth = min(rates, key=lambda d: predicted_loss(parameters(d), rates[d] * train_s))
     tokens, plan = rates[depth] * train_s, {}
     put = lambda **kw: plan.update({k: explicit.get(k, v) for k, v in kw.items()})  # noqa: E731
     put(**shape(depth))
@@ -239,7 +247,7 @@ class Budget:
         ends = time.strftime("%H:%M:%S", time.localtime(budget.deadline))
         given = " ".join(f"--{k}" for k in sorted(explicit)) or "none"
         ranks.print0(f"plan: {args.n_layer} layers x {args.n_embd} wide ({args.n_head} heads, context "
-                     f"{args.block_size}), {blocks_params(depth) / 1e6:.2f}M block parameters, "
+                     f"{args.block_size}), {parameters(depth) / 1e6:.1f}M parameters ({blocks_params(depth) / 1e6:.2f}M in blocks), "
                      f"{args.max_steps * args.total_batch_size / 1e6:.2f}M tokens in ~{args.max_steps} steps of "
                      f"{args.total_batch_size}, lr {args.max_lr:.2g}, ends by {ends} ({duration(budget.seconds)} in all); "
                      f"measured tokens/s: {', '.join(f'{d} layers {MICRO_TOKENS / s:.0f}' for d, s in step_s.items())}; "
