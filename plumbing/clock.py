@@ -15,14 +15,15 @@ The rule (choose). A shape trained for D tokens is predicted to reach Chinchilla
 
 with N every parameter, as the fit counted them (the blocks' 12 d width^2, and the embeddings: GPT-2's 50304 x
 width, most of a small shape's; counting the blocks alone, as Kaplan et al. 2020 did for their own law, sized the
-model too large: on 2 Zen 4 cores for 15 minutes it chose depth 6, and depth 4 reached a lower loss) and
-D = the tokens/s measured here x the seconds left for training. The
-shape with the lowest L wins. For a fixed FLOP count 6 N D this fit is lowest near 20 tokens a
-parameter at 1e17 FLOPs, Chinchilla's rule (16 at 6e15, 50 at 1e21: the fit's ratio grows slowly); here D comes from the speed measured on this CPU, where GPT-2's 50304 x
-width lm_head makes the small shapes slower than 6 N says, so the rule picks from measured rates, not
-from FLOPs. The learning rate is GPT-2's 6e-4 at width 768, scaled as 1 / width (muP's rule for Adam),
-at most 3e-3 (the demo's, at width 128); the batch about 1/500 of the tokens (a few hundred steps), a
-power of two times a micro-batch of 2048 tokens (halved, down to one row, when that gives under 300 steps).
+model too large: on 2 Zen 4 cores for 15 minutes it chose depth 6, and depths 3, 4 and 5 reached lower
+losses) and D = the tokens/s measured here x the seconds left for training. The shape with the lowest L wins.
+For a fixed FLOP count 6 N D this fit is lowest near 20 tokens a parameter at 1e17 FLOPs, Chinchilla's rule
+(16 at 6e15, 50 at 1e21: the fit's ratio grows slowly); here D comes from the speed measured on this CPU,
+where GPT-2's 50304 x width lm_head makes the small shapes slower than 6 N says, so the rule picks from
+measured rates, not from FLOPs. The learning rate is GPT-2's 6e-4 at width 768, scaled as 1 / width (muP's
+rule for Adam), at most 3e-3 (the demo's, at width 128); the batch about 1/500 of the tokens (a few hundred
+steps), a power of two times a micro-batch of 2048 tokens (halved, down to one row, when that gives under 300
+steps).
 
 The step times are measured eagerly (a compiled run is faster: the re-fit below gives it the steps).
 
@@ -246,12 +247,13 @@ class Budget:
         run.lay_out()
         ends = time.strftime("%H:%M:%S", time.localtime(budget.deadline))
         given = " ".join(f"--{k}" for k in sorted(explicit)) or "none"
+        rates = ", ".join(f"{d} layers {MICRO_TOKENS / s:.0f}" for d, s in step_s.items())
         ranks.print0(f"plan: {args.n_layer} layers x {args.n_embd} wide ({args.n_head} heads, context "
-                     f"{args.block_size}), {parameters(depth) / 1e6:.1f}M parameters ({blocks_params(depth) / 1e6:.2f}M in blocks), "
+                     f"{args.block_size}), {parameters(depth) / 1e6:.1f}M parameters "
+                     f"({blocks_params(depth) / 1e6:.2f}M in blocks), "
                      f"{args.max_steps * args.total_batch_size / 1e6:.2f}M tokens in ~{args.max_steps} steps of "
-                     f"{args.total_batch_size}, lr {args.max_lr:.2g}, ends by {ends} ({duration(budget.seconds)} in all); "
-                     f"measured tokens/s: {', '.join(f'{d} layers {MICRO_TOKENS / s:.0f}' for d, s in step_s.items())}; "
-                     f"flags given that override it: {given}")
+                     f"{args.total_batch_size}, lr {args.max_lr:.2g}, ends by {ends} ({duration(budget.seconds)} "
+                     f"in all); measured tokens/s: {rates}; flags given that override it: {given}")
         return budget
 
 def check_long_enough(seconds, spent, step_s, hours):
