@@ -750,7 +750,8 @@ def main(argv=None):
     if run.device_type == "cpu" and not args.hours:  # how long the run will take here, before its first step
         ranks.print0(progress.forecast(run, start_step))
 
-    skipped, exit_code, first_dt, eta = 0, 0, 0.0, progress.StepClock(args, start_step, ranks.print0)  # (ETA)
+    skipped, exit_code, first_dt, eta = 0, 0, 0.0, progress.StepClock(
+        args, start_step, ranks.print0, run.budget and run.budget.deadline)  # (the step line's ETA)
     for step in itertools.count(start_step):  # to args.max_steps, which --hours re-fits to the clock at every step
         last_step = step >= args.max_steps
         # a resumed run already did the evals and the checkpoint of its first step (unless a signal stopped it)

@@ -25,7 +25,11 @@ rule for Adam), at most 3e-3 (the demo's, at width 128); the batch about 1/500 o
 steps), a power of two times a micro-batch of 2048 tokens (halved, down to one row, when that gives under 300
 steps).
 
-The step times are measured eagerly (a compiled run is faster: the re-fit below gives it the steps).
+The step times are measured eagerly (a compiled run is faster: the re-fit below gives it the steps), and
+otherwise as the run will train: freed memory kept for the next step (train_gpt2.py's policy but for sharded runs:
+without it glibc hands back each step's logits, 0.2-0.4 GB at 2048 tokens, and faults them in again; the small
+shapes were timed up to 2x slower than they then trained on 2 Zen 4 cores), and each shape with the attention the
+run would choose for it (attention.choose: attention.cpp's kernel or PyTorch's SDPA, whichever is faster there).
 
 The schedule: warmup for 5% of the planned steps, then the peak learning rate until the clock reaches
 (1 - DECAY) of the budget, then a linear decay to --min_lr (0 unless given) over the steps left. At
@@ -40,6 +44,7 @@ import time
 
 import torch
 
+from plumbing import attention, cpu
 from plumbing.progress import STARTED, duration
 
 # the family: depths; the fit's constants (Hoffmann et al. 2022, approach 3)
@@ -134,13 +139,16 @@ def val_tokens(eval_interval, total_batch_size, seq_len, share=0.1, most=1048576
     `most` (build-nanogpt's 8-GPU figure), at least one row."""
     return max(seq_len, min(most, int(3 * share * eval_interval * total_batch_size) // seq_len * seq_len))
 
-def time_step(build, depth, dtype_autocast, device="cpu", steps=None):
+def time_step(build, depth, dtype_autocast, device="cpu", steps=None, dtype=None, ranks=None):
     """Seconds of one training step (forward, backward, fused AdamW) of a micro-batch of MICRO_TOKENS, at this
     depth, the best of `steps` (PROBE_STEPS) after one that warms up (oneDNN's kernels, the allocator): the best,
-    as a busy machine only ever slows a step down."""
+    as a busy machine only ever slows a step down. dtype ('bf16', 'fp32') given: on a CPU, attention is chosen for
+    this shape first, as the run will choose it (ranks: every rank takes part, they must agree)."""
     steps = steps or PROBE_STEPS
     s = shape(depth)
     rows = max(1, MICRO_TOKENS // s["block_size"])
+    if dtype and device == "cpu":
+        attention.choose(dtype, rows, s["n_head"], s["block_size"], s["n_embd"] // s["n_head"], ranks)
     torch.manual_seed(0)
     model = build(**s).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.split(":")[0] in ("cpu", "cuda", "xpu"))
@@ -226,21 +234,28 @@ class Budget:
         if ckpt is not None and ckpt.get("budget"):
             return cls(args.hours, ranks, ckpt["budget"]["used_s"], ckpt["budget"]["decay_from"])
         budget, explicit, step_s = cls(args.hours, ranks), args.explicit, {}
+        built_s = time.time()  # attention.cpp's kernel, compiled once per machine: not the probe's, the run needs it too
+        if ranks.device == "cpu" and run.dtype == "bf16":
+            attention.kernel()
+        built_s = time.time() - built_s
+        cpu.keep_freed_memory()  # (as the run will; choose_layout sets the run's own policy after)
+        timed = lambda depth: budget.agree([time_step(build, depth, run.autocast, ranks.device, dtype=run.dtype,  # noqa: E731
+                                                      ranks=ranks), time.time() - budget.start, built_s])
         for depth in DEPTHS:
             if explicit.get("n_layer", depth) != depth and depth > min(DEPTHS):
                 continue  # (the smallest is always timed: it says whether the budget is long enough)
-            step, spent = budget.agree([time_step(build, depth, run.autocast, ranks.device), time.time() - budget.start])
+            step, spent, built = timed(depth)
             step_s[depth] = step / run.replicas  # (every rank decides from the same numbers: they stay in step)
             if depth == min(DEPTHS):
                 check_long_enough(budget.seconds, spent, step_s[depth], args.hours)
             next_probe = (PROBE_STEPS + 1) * step_s[depth] * 2  # (about: the next shape's steps are slower)
-            if (len(step_s) > 1 and spent + next_probe > PROBE_SHARE * budget.seconds
+            if (len(step_s) > 1 and spent - built + next_probe > PROBE_SHARE * budget.seconds
                     or step_s[depth] * FEW_STEPS > budget.seconds - spent):
                 break  # (the next shape's probe would take measuring past its share, or this one could not train enough)
         if explicit.get("n_layer", min(DEPTHS)) not in step_s:
-            step, spent = budget.agree([time_step(build, explicit["n_layer"], run.autocast, ranks.device),
-                                        time.time() - budget.start])
+            step, spent, _ = timed(explicit["n_layer"])
             step_s[explicit["n_layer"]] = step / run.replicas
+        cpu.keep_freed_memory(False)
         train_s = (budget.seconds - spent - EXIT_S) * (1 - EVAL_SHARE * 1.5)  # (the evaluations, the final one)
         depth, plan = choose(step_s, train_s, explicit, run.replicas)
         vars(args).update(plan)

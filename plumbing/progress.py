@@ -56,10 +56,11 @@ def evals_between(first, last, interval):
 class StepClock:
     """Time left = the steps left x the time of a recent step + the evaluations left x the time an evaluation
     took so far. An evaluation's time is what passed between steps without a step running (val loss,
-    HellaSwag, samples, checkpoints); the first step is left out of a step's time (it also compiles)."""
+    HellaSwag, samples, checkpoints); the first step is left out of a step's time (it also compiles). A --hours
+    run (deadline: when its clock ends it, time.time()) ends then, whatever a slow spell does to its recent steps."""
 
-    def __init__(self, args, start_step, print0):
-        self.args, self.start_step, self.print0 = args, start_step, print0
+    def __init__(self, args, start_step, print0, deadline=None):
+        self.args, self.start_step, self.print0, self.deadline = args, start_step, print0, deadline
         self.started = time.time()  # the loop starts: the first evaluation is about to run
         self.dts = []
 
@@ -74,6 +75,7 @@ class StepClock:
         left = evals_between(step + 1, args.max_steps, args.eval_interval)
         left += args.eval_interval > 0 and args.max_steps % args.eval_interval != 0  # (the last step evaluates too)
         eta = steps_left * sum(recent) / len(recent) + left * paused / max(done, 1)
+        eta = eta if self.deadline is None else max(self.deadline - now, 0.0)  # (the clock re-fits the steps to it)
         if len(self.dts) == 3 and now - STARTED + eta > DAY:  # (printed before the third step's line, measured
             # from the two steps after the first, which compiles too)
             self.print0(self.too_long(eta, now))

@@ -2,6 +2,7 @@
 starting from a fake clock and the last step re-fitted to it, the error lines, the default val pass sized to the
 run, the forecast before the first step, and a real --hours run on the demo's text that ends on time."""
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from conftest import REPO, make_shards
 from plumbing import clock, progress
@@ -113,6 +115,39 @@ def test_a_resumed_budget_keeps_its_clock(monkeypatch):
     monkeypatch.setattr(clock, "process_start", lambda: 1000.0)
     budget = clock.Budget(1.0, OneRank(), used_s=600.0, decay_from=None)
     assert budget.deadline == 1000.0 + 3600 - 600
+
+
+class TinyStep(torch.nn.Module):
+    """Any shape's stand-in: one weight, a loss of the batch (time_step's steps take no time)."""
+
+    def __init__(self, **shape):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x, y):
+        return None, (self.w * x.float()).mean()
+
+
+def test_the_probe_times_each_shape_as_the_run_will_train_it(monkeypatch):
+    """The step times the plan is made of are measured as the run trains: with freed memory kept (without it glibc
+    faulted each step's logits in again, and the probe timed the small shapes 2x slower than they trained, Zen 4) and
+    with the attention the run would choose at that shape. Afterwards the policy is handed back to choose_layout."""
+    kept, chosen, timed = [False], [], []
+    monkeypatch.setattr(clock.cpu, "keep_freed_memory", lambda keep=True: kept.__setitem__(0, keep))
+    monkeypatch.setattr(clock.attention, "kernel", lambda: False)
+    monkeypatch.setattr(clock.attention, "choose", lambda *a: chosen.append(a[:5]))
+    monkeypatch.setattr(clock, "process_start", time.time)
+
+    def build(**shape):
+        timed.append((shape["n_layer"], kept[0]))
+        return TinyStep()
+    args = argparse.Namespace(hours=10.0, explicit={})
+    run = argparse.Namespace(args=args, ranks=OneRank(), replicas=1, autocast=contextlib.nullcontext(), dtype="bf16",
+                             lay_out=lambda: None)
+    clock.Budget.plan(run, build)
+    assert [d for d, _ in timed] == list(clock.DEPTHS) and all(k for _, k in timed), timed
+    assert not kept[0]  # (choose_layout sets the run's own policy)
+    assert chosen == [("bf16", max(1, 2048 // min(1024, 128 * d)), d, min(1024, 128 * d), 64) for d in clock.DEPTHS]
 
 
 # -----------------------------------------------------------------------------

@@ -87,6 +87,18 @@ def test_the_eta_counts_steps_and_evaluations(monkeypatch):
     assert printed[0] + "; --hours H trains the best model H hours allow" == clock.too_long(eta, 100)
 
 
+def test_a_run_on_the_clock_says_it_ends_on_the_clock(monkeypatch):
+    """--hours: the clock re-fits the steps to its deadline, so a slow spell (a step 5x slower) does not move the ETA."""
+    now = [100.0]
+    monkeypatch.setattr(progress.time, "time", lambda: now[0])
+    monkeypatch.setattr(progress, "STARTED", 0.0)
+    args = argparse.Namespace(max_steps=1000, eval_interval=100, total_batch_size=2048)
+    clock = progress.StepClock(args, 0, print, deadline=900.0)
+    for step, dt in enumerate([1.0, 1.0, 5.0, 1.0]):
+        now[0] += dt
+        assert clock.tick(step, dt).endswith(f" | ETA {progress.duration(900.0 - now[0])}")
+
+
 def test_a_bar_in_a_log_prints_each_tenth_on_rank_0_only(capsys, monkeypatch):
     monkeypatch.setattr(progress, "QUIET_S", 0)
     for enabled in (True, False):
