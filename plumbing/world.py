@@ -179,7 +179,11 @@ def init_process_group(backend, rank, world_size, local_world, launcher, timeout
 
 def run_main(main):
     """Run a script's main(). A failed collective (a rank died or hung) ends this rank with one line and
-    exit code 1, at once: the destructors of a broken process group can block on the dead peer."""
+    exit code 1, at once: the destructors of a broken process group can block on the dead peer. A run that left
+    its group with gloo threads still running (FSDP's and tensor parallel's: torch's DTensor caches keep their
+    meshes' groups past destroy_process_group) ends at once too, once all is done: as the interpreter exits, C++
+    destroys those threads while they run, and the process aborts ("terminate called without an active
+    exception", SIGABRT; a --tp 2 run of the tests, after it had saved and printed everything)."""
     try:
         main()
     except RuntimeError as e:
@@ -189,6 +193,28 @@ def run_main(main):
         print(message, file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)
+    except SystemExit as e:  # (a run stopped by a signal exits 143 or 130 after it saved)
+        if not (left_group and gloo_threads()):
+            raise
+        end_now(e.code if isinstance(e.code, int) else 1 if e.code else 0, e.code if isinstance(e.code, str) else None)
+    if left_group and gloo_threads():
+        end_now(0)
+
+def gloo_threads():
+    """The names of this process's threads that gloo started (Linux's /proc; elsewhere none are seen)."""
+    try:
+        names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return []
+    return [n for n in names if "gloo" in n]
+
+def end_now(code, message=None):
+    """Exit with this code now, skipping the interpreter's teardown (what is written is flushed first)."""
+    if message:
+        print(message, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 def collective_failure(e):
     """A one-line reason when e is a failed collective (a rank died or hung, the network broke), else None."""
@@ -280,9 +306,13 @@ def leave_process_group():
     "terminate called without an active exception"; since then the models go first.) The cached mesh goes too:
     it holds its groups, and with them their gloo threads."""
     import gc
+    global left_group
     mesh_of.cache_clear()
     gc.collect()
     torch.distributed.destroy_process_group()
+    left_group = True
+
+left_group = False  # leave_process_group ran: run_main checks for gloo threads left running
 
 # -----------------------------------------------------------------------------
 # Which ranks share a node: their hostnames

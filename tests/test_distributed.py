@@ -480,6 +480,39 @@ def test_leaving_the_group_ends_its_threads(tmp_path):
     assert proc.stdout.count("gloo threads left: []") == 2, proc.stdout
 
 
+class Ended(Exception):
+    pass
+
+
+@pytest.mark.parametrize("threads_left", [True, False])
+def test_a_run_that_leaves_gloo_threads_running_ends_without_the_teardown(monkeypatch, threads_left):
+    """FSDP's and tensor parallel's groups outlive destroy_process_group in torch's DTensor caches, and their gloo
+    threads with them; a --tp 2 run of the tests then aborted as the interpreter exited, after it had saved and
+    printed everything. So a run that left its group with gloo threads running ends with os._exit, keeping its exit
+    code (0, or a signal's 143); with none left, it ends as usual."""
+    from plumbing import world
+    ended = []
+
+    def exit_now(code):
+        ended.append(code)
+        raise Ended
+    monkeypatch.setattr(world.os, "_exit", exit_now)
+    monkeypatch.setattr(world, "left_group", True)
+    monkeypatch.setattr(world, "gloo_threads", lambda: ["gloo_tcp_loop"] if threads_left else [])
+
+    def stopped_by_a_signal():
+        raise SystemExit(143)
+    for main, code in ((lambda: None, 0), (stopped_by_a_signal, 143)):
+        with pytest.raises(Ended) if threads_left else contextlib.nullcontext():
+            try:
+                world.run_main(main)
+            except SystemExit as e:
+                assert not threads_left and e.code == code
+                continue
+        assert ended == ([code] if threads_left else []), ended
+        ended.clear()
+
+
 BUILD_SHARDED = """
 import sys, torch
 sys.path.insert(0, sys.argv[1])
