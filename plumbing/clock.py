@@ -31,6 +31,12 @@ without it glibc hands back each step's logits, 0.2-0.4 GB at 2048 tokens, and f
 shapes were timed up to 2x slower than they then trained on 2 Zen 4 cores), and each shape with the attention the
 run would choose for it (attention.choose: attention.cpp's kernel or PyTorch's SDPA, whichever is faster there).
 
+Measuring goes from the smallest shape up and stops early: when two shapes in a row predict a higher loss than
+the best so far (the curve has turned: a larger shape is slower still), and before a shape that would not fit in
+90% of this rank's free memory (--parallel auto's estimate of a rank: its state, the rest, a micro-batch's
+activations). Timing every depth up to 20 for --hours 1 on 2 Zen 4 cores took 10.2 GiB and 3.6 of the 60 minutes
+to choose depth 3.
+
 The schedule: warmup for 5% of the planned steps, then the peak learning rate until the clock reaches
 (1 - DECAY) of the budget, then a linear decay to --min_lr (0 unless given) over the steps left. At
 every step the last step is re-fitted: the seconds left (less the final evaluation's, as long as the
@@ -41,10 +47,11 @@ import math
 import os
 import re
 import time
+from types import SimpleNamespace
 
 import torch
 
-from plumbing import attention, cpu
+from plumbing import attention, cpu, layouts
 from plumbing.progress import STARTED, duration
 
 # the family: depths; the fit's constants (Hoffmann et al. 2022, approach 3)
@@ -99,6 +106,25 @@ def parameters(depth):
     embeddings (50304 and context rows of width; lm_head is the token embedding, tied)."""
     s = shape(depth)
     return blocks_params(depth) + (50304 + s["block_size"]) * s["n_embd"]
+
+def probe_memory(depth, bf16):
+    """Bytes the probe of this depth needs at most: layouts' estimate of one rank training the whole model."""
+    s = shape(depth)
+    config = SimpleNamespace(vocab_size=50304, **s)
+    n = layouts.parameters(config)[0]
+    rows = max(1, MICRO_TOKENS // s["block_size"])
+    return (layouts.STATE_BYTES * n + layouts.beyond_state(n, 1, config, bf16)
+            + layouts.activation_bytes(config, rows, s["block_size"], depth, bf16))
+
+def free_memory(ranks, max_memory_gib):
+    """Bytes this rank may use: --max_memory, or the memory the OS says is available, shared by the node's ranks."""
+    if max_memory_gib:
+        return max_memory_gib * 2**30
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemAvailable:")) / ranks.local_world
+    except (OSError, StopIteration):
+        return float("inf")  # (not Linux: no limit known)
 
 def predicted_loss(n, tokens):
     return E + A / n ** ALPHA + B / max(tokens, 1.0) ** BETA
@@ -241,22 +267,29 @@ class Budget:
         cpu.keep_freed_memory()  # (as the run will; choose_layout sets the run's own policy after)
         timed = lambda depth: budget.agree([time_step(build, depth, run.autocast, ranks.device, dtype=run.dtype,  # noqa: E731
                                                       ranks=ranks), time.time() - budget.start, built_s])
+        free, too_big = free_memory(ranks, getattr(args, "max_memory", None)), ""
         for depth in DEPTHS:
             if explicit.get("n_layer", depth) != depth and depth > min(DEPTHS):
                 continue  # (the smallest is always timed: it says whether the budget is long enough)
+            need = probe_memory(depth, run.dtype == "bf16") if ranks.device == "cpu" else 0
+            if depth > min(DEPTHS) and budget.agree([float(need > layouts.HEADROOM * free)])[0] > 0:
+                too_big = f" (depth {depth} would need ~{need / 2**30:.1f} GiB of {free / 2**30:.1f} free: not timed)"
+                break  # (on any rank: they all stop here)
             step, spent, built = timed(depth)
             step_s[depth] = step / run.replicas  # (every rank decides from the same numbers: they stay in step)
             if depth == min(DEPTHS):
                 check_long_enough(budget.seconds, spent, step_s[depth], args.hours)
             next_probe = (PROBE_STEPS + 1) * step_s[depth] * 2  # (about: the next shape's steps are slower)
             if (len(step_s) > 1 and spent - built + next_probe > PROBE_SHARE * budget.seconds
-                    or step_s[depth] * FEW_STEPS > budget.seconds - spent):
-                break  # (the next shape's probe would take measuring past its share, or this one could not train enough)
+                    or step_s[depth] * FEW_STEPS > budget.seconds - spent
+                    or turned(step_s, train_seconds(budget.seconds, spent))):
+                break  # (the next probe would take measuring past its share, this shape could not train enough, or
+                # the predicted loss has turned)
         if explicit.get("n_layer", min(DEPTHS)) not in step_s:
             step, spent, _ = timed(explicit["n_layer"])
             step_s[explicit["n_layer"]] = step / run.replicas
         cpu.keep_freed_memory(False)
-        train_s = (budget.seconds - spent - EXIT_S) * (1 - EVAL_SHARE * 1.5)  # (the evaluations, the final one)
+        train_s = train_seconds(budget.seconds, spent)
         depth, plan = choose(step_s, train_s, explicit, run.replicas)
         vars(args).update(plan)
         run.lay_out()
@@ -268,8 +301,19 @@ class Budget:
                      f"({blocks_params(depth) / 1e6:.2f}M in blocks), "
                      f"{args.max_steps * args.total_batch_size / 1e6:.2f}M tokens in ~{args.max_steps} steps of "
                      f"{args.total_batch_size}, lr {args.max_lr:.2g}, ends by {ends} ({duration(budget.seconds)} "
-                     f"in all); measured tokens/s: {rates}; flags given that override it: {given}")
+                     f"in all); measured tokens/s: {rates}{too_big}; flags given that override it: {given}")
         return budget
+
+def train_seconds(seconds, spent):
+    """The seconds left for training steps: the budget less what is spent, the exit and the evaluations."""
+    return (seconds - spent - EXIT_S) * (1 - EVAL_SHARE * 1.5)
+
+def turned(step_s, seconds_left):
+    """Whether the last two shapes measured both predict a higher loss than the best so far, given the seconds
+    left (the larger shapes, slower still, would not win)."""
+    loss = {d: predicted_loss(parameters(d), MICRO_TOKENS / s * seconds_left) for d, s in step_s.items()}
+    last = list(loss)[-2:]
+    return len(last) == 2 and all(loss[d] > min(loss.values()) for d in last)
 
 def check_long_enough(seconds, spent, step_s, hours):
     """One error line when the budget cannot give the smallest shape MIN_STEPS steps (with the time already spent
