@@ -52,6 +52,7 @@ from types import SimpleNamespace
 import torch
 
 from plumbing import attention, cpu, layouts
+from plumbing.cluster import available_memory
 from plumbing.progress import STARTED, duration
 
 # the family: depths; the fit's constants (Hoffmann et al. 2022, approach 3)
@@ -115,16 +116,6 @@ def probe_memory(depth, bf16):
     rows = max(1, MICRO_TOKENS // s["block_size"])
     return (layouts.STATE_BYTES * n + layouts.beyond_state(n, 1, config, bf16)
             + layouts.activation_bytes(config, rows, s["block_size"], depth, bf16))
-
-def free_memory(ranks, max_memory_gib):
-    """Bytes this rank may use: --max_memory, or the memory the OS says is available, shared by the node's ranks."""
-    if max_memory_gib:
-        return max_memory_gib * 2**30
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemAvailable:")) / ranks.local_world
-    except (OSError, StopIteration):
-        return float("inf")  # (not Linux: no limit known)
 
 def predicted_loss(n, tokens):
     return E + A / n ** ALPHA + B / max(tokens, 1.0) ** BETA
@@ -260,6 +251,8 @@ class Budget:
         if ckpt is not None and ckpt.get("budget"):
             return cls(args.hours, ranks, ckpt["budget"]["used_s"], ckpt["budget"]["decay_from"])
         budget, explicit, step_s = cls(args.hours, ranks), args.explicit, {}
+        free, too_big = available_memory(ranks, getattr(args, "max_memory", None)), ""
+        check_fits(explicit.get("n_layer"), run.dtype == "bf16", budget, free, getattr(args, "max_memory", None))
         built_s = time.time()  # attention.cpp's kernel, compiled once per machine: not the probe's, the run needs it too
         if ranks.device == "cpu" and run.dtype == "bf16":
             attention.kernel()
@@ -267,7 +260,6 @@ class Budget:
         cpu.keep_freed_memory()  # (as the run will; choose_layout sets the run's own policy after)
         timed = lambda depth: budget.agree([time_step(build, depth, run.autocast, ranks.device, dtype=run.dtype,  # noqa: E731
                                                       ranks=ranks), time.time() - budget.start, built_s])
-        free, too_big = free_memory(ranks, getattr(args, "max_memory", None)), ""
         for depth in DEPTHS:
             if explicit.get("n_layer", depth) != depth and depth > min(DEPTHS):
                 continue  # (the smallest is always timed: it says whether the budget is long enough)
@@ -314,6 +306,14 @@ def turned(step_s, seconds_left):
     loss = {d: predicted_loss(parameters(d), MICRO_TOKENS / s * seconds_left) for d, s in step_s.items()}
     last = list(loss)[-2:]
     return len(last) == 2 and all(loss[d] > min(loss.values()) for d in last)
+
+def check_fits(depth, bf16, budget, free, max_memory):
+    """One error line, before any measuring, when the depth given (--n_layer) would not fit in the free memory of
+    every rank (held to all of it, not 90%, as a forced layout is: the estimate is not exact)."""
+    if depth and budget.ranks.device == "cpu" and budget.agree([float(probe_memory(depth, bf16) > free)])[0] > 0:
+        raise SystemExit(f"error: --n_layer {depth} needs ~{probe_memory(depth, bf16) / 2**30:.1f} GiB to train here "
+                         f"and a rank has {free / 2**30:.1f} GiB" + (" (--max_memory)" if max_memory else " free")
+                         + ": a smaller --n_layer, or none (--hours chooses one that fits)")
 
 def check_long_enough(seconds, spent, step_s, hours):
     """One error line when the budget cannot give the smallest shape MIN_STEPS steps (with the time already spent

@@ -31,15 +31,20 @@ def threads_a_core(everyone, machine):
     cores = cpu.physical_cores(set().union(*(cpus for cpus, _ in here)))
     return max(1.0, sum(threads for _, threads in here) / max(1, cores))
 
-def free_memory(ranks, max_memory_gib):
-    """Bytes each rank may use, the least over the ranks: --max_memory, or the memory the OS says is available on
-    this node (MemAvailable) shared by the ranks on it."""
+def available_memory(ranks, max_memory_gib):
+    """Bytes this rank may use: --max_memory, or the memory the OS says is available on this node (MemAvailable)
+    shared by the ranks on it."""
     if max_memory_gib:
-        mine = max_memory_gib * 2**30
-    else:
+        return max_memory_gib * 2**30
+    try:
         with open("/proc/meminfo") as f:
-            mine = next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemAvailable:")) / ranks.local_world
-    least = torch.tensor([mine], dtype=torch.float64)
+            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemAvailable:")) / ranks.local_world
+    except (OSError, StopIteration):
+        return float("inf")  # (not Linux: no limit known)
+
+def free_memory(ranks, max_memory_gib):
+    """available_memory, the least over the ranks (a CPU all-reduce: --parallel auto plans CPU runs, on gloo)."""
+    least = torch.tensor([available_memory(ranks, max_memory_gib)], dtype=torch.float64)
     if ranks.world_size > 1:
         torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
     return least.item()

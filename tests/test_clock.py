@@ -181,6 +181,26 @@ def test_measuring_stops_once_the_loss_turns_and_before_a_shape_that_would_not_f
     assert ("depth 3 would need" in run.ranks.lines[-1]) == (timed == [1, 2]), run.ranks.lines
 
 
+def test_a_given_depth_that_would_not_fit_is_one_error_line_before_any_measuring(monkeypatch):
+    timed = []
+    monkeypatch.setattr(clock, "time_step", lambda build, depth, *a, **k: timed.append(depth) or 1.0)
+    monkeypatch.setattr(clock.attention, "kernel", lambda: False)
+    between = (clock.probe_memory(5, True) + clock.probe_memory(6, True)) / 2 / 2**30
+    for depth, fits in [(5, True), (6, False)]:
+        args = argparse.Namespace(hours=10.0, explicit={"n_layer": depth}, max_memory=between)
+        run = argparse.Namespace(args=args, ranks=Printed(), replicas=1, autocast=contextlib.nullcontext(),
+                                 dtype="bf16", lay_out=lambda: None)
+        if fits:
+            clock.Budget.plan(run, None)
+            assert args.n_layer == 5 and 5 in timed
+            continue
+        timed.clear()
+        with pytest.raises(SystemExit) as e:
+            clock.Budget.plan(run, None)
+        assert str(e.value).startswith("error: --n_layer 6 needs ~") and "(--max_memory)" in str(e.value)
+        assert "\n" not in str(e.value) and timed == []
+
+
 # -----------------------------------------------------------------------------
 # Bad input: one error line before any work
 
