@@ -73,8 +73,8 @@ def build_parser(defaults=True):
       "ranks split the training: auto: DDP where the model fits each rank, else the layout predicted fastest from the "
       "measured links and memory (plumbing/layouts.py); dp, fsdp (--shard full), fsdp_grads (--shard grads), pp (--pp = "
       "ranks), tp (--tp = ranks) force one; --shard, --pp or --tp force theirs")
-    a("--max_memory", type=float, default=d(None), metavar="GIB", help="--parallel auto: GiB of training state and "
-      "activations a rank may hold (default: the node's available memory shared by its ranks)")
+    a("--max_memory", type=float, default=d(None), metavar="GIB", help="--parallel auto and --hours: GiB of training "
+      "state and activations a rank may hold (default: the node's available memory shared by its ranks)")
     a("--pp_schedule", choices=["1f1b", "gpipe"], default=d("1f1b"), help="--pp's schedule: 1f1b (at most N micro-batches' "
       "activations held per stage) or gpipe (every forward, then every backward)")
     a("--tp", type=int, default=d(1), help="tensor parallel: each block split over this many ranks (tensor_parallel.py)")
