@@ -251,8 +251,9 @@ class Budget:
         if ckpt is not None and ckpt.get("budget"):
             return cls(args.hours, ranks, ckpt["budget"]["used_s"], ckpt["budget"]["decay_from"])
         budget, explicit, step_s = cls(args.hours, ranks), args.explicit, {}
-        free, too_big = available_memory(ranks, getattr(args, "max_memory", None)), ""
-        check_fits(explicit.get("n_layer"), run.dtype == "bf16", budget, free, getattr(args, "max_memory", None))
+        max_memory = getattr(args, "max_memory", None)
+        free, too_big = available_memory(ranks, max_memory), ""
+        check_fits(explicit.get("n_layer"), run.dtype == "bf16", budget, free, max_memory)
         built_s = time.time()  # attention.cpp's kernel, compiled once per machine: not the probe's, the run needs it too
         if ranks.device == "cpu" and run.dtype == "bf16":
             attention.kernel()
@@ -310,8 +311,9 @@ def turned(step_s, seconds_left):
 def check_fits(depth, bf16, budget, free, max_memory):
     """One error line, before any measuring, when the depth given (--n_layer) would not fit in the free memory of
     every rank (held to all of it, not 90%, as a forced layout is: the estimate is not exact)."""
-    if depth and budget.ranks.device == "cpu" and budget.agree([float(probe_memory(depth, bf16) > free)])[0] > 0:
-        raise SystemExit(f"error: --n_layer {depth} needs ~{probe_memory(depth, bf16) / 2**30:.1f} GiB to train here "
+    need = probe_memory(depth, bf16) if depth and budget.ranks.device == "cpu" else 0
+    if budget.agree([float(need > free)])[0] > 0:
+        raise SystemExit(f"error: --n_layer {depth} needs ~{need / 2**30:.1f} GiB to train here "
                          f"and a rank has {free / 2**30:.1f} GiB" + (" (--max_memory)" if max_memory else " free")
                          + ": a smaller --n_layer, or none (--hours chooses one that fits)")
 
