@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from plumbing.checkpoints import checked
 from plumbing.sharding import copy_weight
 
 # --lora_targets: the Linear layers of each block that get adapters (GPT-2's module names, which peft uses too)
@@ -204,7 +205,7 @@ def start(model, args, ckpt, hub_names):
         check_base(base, ckpt["lora"]["base"], f"--resume with --init_from {args.init_from}")
         for name, p in model.named_parameters():
             if ".lora_" in name and not ckpt["sharded_path"]:
-                copy_weight(p, ckpt["model"][name])
+                copy_weight(p, checked(ckpt, "model", name))
     line = describe(model, args.lora, args.lora_alpha, args.lora_targets) + f" ({args.init_from}, sha256 {base['sha256'][:12]})"
     return {"rank": args.lora, "alpha": args.lora_alpha, "targets": args.lora_targets, "base": base}, line
 

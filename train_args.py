@@ -9,10 +9,10 @@ import os
 
 import dataloader
 import lora
-from plumbing import ShowDefaults, cache_dir, one_line
-from plumbing.checkpoints import list_checkpoints, load_checkpoint
+from plumbing import ShowDefaults, cache_dir, one_line, read_json
+from plumbing.checkpoints import load_checkpoint
 from plumbing.inputs import find_shards
-from plumbing import clock, tensor_parallel
+from plumbing import clock, node_disks, tensor_parallel
 from plumbing.pipeline import check_layout
 
 # -----------------------------------------------------------------------------
@@ -143,6 +143,17 @@ def finetuning_defaults(args, given, task, world_size):
             f"of {args.total_batch_size // args.seq_len} rows of {args.seq_len}; lr {args.max_lr:g} -> {args.min_lr:g}, "
             f"warmup {args.warmup_steps}, eval every {args.eval_interval} (flags override these)")
 
+# what the launch decides, never a resumed run's checkpoint: the layout, and how the ranks join (train_gpt2.join_ranks)
+LAUNCH_FLAGS = ("pp", "pp_schedule", "tp", "parallel", "device", "backend", "dist_timeout")
+
+def launch_flags(argv):
+    """The command line's flags, for what must be known before the ranks agree on a checkpoint: how they join (device,
+    backend, --dist_timeout) and where they look for one (--log_dir)."""
+    flags = build_parser().parse_args(argv)
+    if not flags.dist_timeout > 0:
+        raise SystemExit(f"error: --dist_timeout {flags.dist_timeout:g} must be a positive number of seconds")
+    return flags
+
 def resolve_args(argv, ranks):
     """The run's arguments: the command line, or, with --resume, the checkpoint's run arguments overridden by the
     flags given now; the demo's settings when there is no data; fine-tuning's for task data. Returns (args, the task
@@ -150,24 +161,21 @@ def resolve_args(argv, ranks):
     args = build_parser().parse_args(argv)
     given = vars(build_parser(defaults=False).parse_args(argv))  # only the flags on the command line
     ckpt, ckpt_file, saved_args = None, None, None
-    if args.resume:
-        ckpt_file = args.resume if args.resume != "latest" else (list_checkpoints(args.log_dir) or [None])[-1]
+    if args.resume:  # the ranks agree on the checkpoint, and each node's disk gets what it lacks of it
+        ckpt_file = node_disks.resume_point(args.log_dir, args.resume, ranks)
         if ckpt_file is None:  # killed before its first checkpoint: a scheduler's requeue starts it again
             ranks.print0(f"--resume: no checkpoint in --log_dir {args.log_dir} yet: starting the run from step 0")
-        elif not os.path.exists(ckpt_file):
-            raise SystemExit(f"error: --resume: checkpoint {ckpt_file} not found")
-        else:
-            ckpt = load_checkpoint(ckpt_file)  # every rank loads the same file
+        else:  # (every rank maps the same file; its weights are checked as they are read)
+            ckpt = load_checkpoint(ckpt_file, weights=False)
             saved_args = ckpt["args"]
-    if saved_args is None and args.resume and os.path.exists(os.path.join(args.log_dir, "args.json")):
-        with open(os.path.join(args.log_dir, "args.json")) as f:
-            saved_args = json.load(f)  # the arguments the run in --log_dir started with
+    if saved_args is None and args.resume:  # the arguments the run in --log_dir started with: rank 0's, for all
+        saved_args = ranks.broadcast(read_json(os.path.join(args.log_dir, "args.json")) or None)
     if saved_args is not None:
         saved = {**vars(args), **saved_args}  # a flag newer than the checkpoint keeps its default
         saved.update({k: v for k, v in given.items() if k in saved})
         saved.update(resume=args.resume, overwrite=False, log_dir=given.get("log_dir", saved["log_dir"]))
-        for layout in ("pp", "pp_schedule", "tp", "parallel"):  # the launch decides the layout: a checkpoint resumes on any
-            saved[layout] = given.get(layout, vars(args)[layout])
+        for flag in LAUNCH_FLAGS:  # the launch decides these: a checkpoint resumes on any layout, device, network
+            saved[flag] = given.get(flag, vars(args)[flag])
         args = argparse.Namespace(**saved)
     clock.check_request(given, saved_args)  # --hours with --max_steps, or with another run's plan
     if not args.resume and (args.demo or (not find_shards(args.data_dir, "train") and "data_dir" not in given)):
@@ -271,5 +279,4 @@ def check_args(args, world_size):
     if args.lora and args.ipex == "on":
         raise SystemExit("error: --ipex on with --lora: ipex.optimize replaces the Linear layers that carry the adapters; "
                          "pass --ipex off")
-    if not args.dist_timeout > 0:
-        raise SystemExit(f"error: --dist_timeout {args.dist_timeout} must be a positive number of seconds")
+

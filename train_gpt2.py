@@ -26,14 +26,14 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from plumbing import (attention, checkpoints, clock, cpu, inputs, layouts, parts, pipeline, progress, report, sharding,
-                      speedups, tensor_parallel, world)
+from plumbing import (attention, checkpoints, clock, cpu, inputs, layouts, node_disks, parts, pipeline, progress, report,
+                      sharding, speedups, tensor_parallel, world)
 from plumbing.checkpoints import append_log, checkpoint_path, list_checkpoints, load_checkpoint
 from plumbing.fused_loss import IGNORE, lm_head_loss
 import dataloader
 import lora
 from tokenizer import VOCAB_SIZE
-from train_args import check_args, resolve_args
+from train_args import check_args, launch_flags, resolve_args
 
 # -----------------------------------------------------------------------------
 # The model: GPT-2 exactly (pre-LayerNorm transformer, tanh GELU, learned positions, tied lm_head)
@@ -283,13 +283,13 @@ class GPT(nn.Module):
         """The model in one of our checkpoints (see load_checkpoint); build(config) as in from_pretrained."""
         model = (build or cls)(GPTConfig(**ckpt["config"]))
         if ckpt["sharded_path"]:  # (a run with --lora on it: its adapters are not in the checkpoint)
-            missing = set(model.state_dict()) - checkpoints.load_sharded(ckpt["sharded_path"], model)
+            missing = set(model.state_dict()) - parts.load_sharded(ckpt["sharded_path"], model)
             if any(".lora_" not in k for k in missing):
                 raise SystemExit(f"error: {ckpt['sharded_path']} holds no {min(missing)}: not a whole model's checkpoint")
         else:
             for k, p in model.named_parameters():
-                if ".lora_" not in k:  # (a base for LoRA has no adapters yet)
-                    sharding.copy_weight(p, ckpt["model"][k])
+                if ".lora_" not in k:  # (a base for LoRA has no adapters yet; a part reads only its own tensors)
+                    sharding.copy_weight(p, checkpoints.checked(ckpt, "model", k))
         return model
 
     def configure_optimizer(self, weight_decay, learning_rate, device_type):
@@ -344,7 +344,7 @@ def load_model(name_or_path, build=None, merge=True):
                 build(GPTConfig(**ckpt["config"]), init_weights=True) if build else GPT(GPTConfig(**ckpt["config"])))
         lora.check_base(lora.base_identity(args.init_from, base.config, args.seed, lora.base_files(
             args.init_from, PRETRAINED_NAMES)), spec["base"], f"{name_or_path}: its base --init_from {args.init_from}")
-        saved = ckpt["model"] if not ckpt["sharded_path"] else checkpoints.read_sharded(
+        saved = ckpt["model"] if not ckpt["sharded_path"] else parts.read_sharded(
             ckpt["sharded_path"], lora.adapter_shapes(base.config, spec["rank"], spec["targets"]))
         if merge:
             return lora.merge_saved(base, saved, spec["alpha"] / spec["rank"]), ckpt.get("task")
@@ -415,9 +415,9 @@ def open_data_and_lock_log_dir(run):
         ranks.print0(f"--shard {args.shard}: with one rank there is nothing to split; training as usual")
     train_loader = dataloader.open_training_data(args, run.task, run.data_ranks)
     has_run = os.path.exists(os.path.join(args.log_dir, "log.txt")) or list_checkpoints(args.log_dir)
-    if has_run and not args.resume and not args.overwrite:
+    if any(ranks.gather(bool(has_run))) and not args.resume and not args.overwrite:  # (any node's folder)
         raise SystemExit(f"error: --log_dir {args.log_dir} already holds a run; continue it with --resume, "
-                         "choose another --log_dir, or pass --overwrite to replace it")
+                         "choose another --log_dir, or pass --overwrite to replace it" if ranks.master else 1)
     hellaswag_examples = None  # no data (no network, say) is no reason not to train: it is just not measured
     if args.hellaswag_interval > 0 and run.sharded:  # batches differ by rank: no lock-step all-gathers
         ranks.print0("warning: no HellaSwag during sharded training: run hellaswag.py -m on a checkpoint")
@@ -428,21 +428,35 @@ def open_data_and_lock_log_dir(run):
     elif args.hellaswag_interval > 0:
         import hellaswag
         hellaswag_examples = hellaswag.examples_for_training(args.hellaswag_dir, ranks)
-    lock = checkpoints.lock_folder(args.log_dir) if ranks.master else None  # one run per folder; also: writable?
-    return train_loader, hellaswag_examples, lock
+    def lock():  # one run per folder (on each node's disk, where each has its own); then what a killed run left
+        held = checkpoints.lock_folder(args.log_dir) if ranks.keeper else None
+        if held:
+            checkpoints.remove_unfinished(args.log_dir)
+        return held
+    return train_loader, hellaswag_examples, ranks.together(lock)
+
+def join_ranks(argv):
+    """This process among the ranks the launcher started (its variables: torchrun's, mpirun's, srun's; none: one
+    process), its device, the process group that joins the ranks, and which of them share one --log_dir folder (a disk
+    per node: plumbing/node_disks.py). On the command line's flags: a resumed run's are read once they agree on it."""
+    flags = launch_flags(argv)
+    ranks = world.Ranks(*world.detect_launch())
+    ranks.device = world.pick_device(flags.device, ranks.local_rank, ranks.world_size)
+    if ranks.world_size > 1:  # oneCCL when Intel's bindings are installed (fastest across Xeon nodes), else gloo on CPU
+        backend = world.choose_backend(flags.backend, ranks.device.split(":")[0])
+        where = world.init_process_group(backend, ranks.rank, ranks.world_size, ranks.local_world, ranks.launcher,
+                                         flags.dist_timeout)
+        ranks.print0(f"distributed: {ranks.launcher}, world size {ranks.world_size}, backend {backend}, master {where}")
+        ranks.disks, line = node_disks.find(flags.log_dir, ranks)
+        ranks.print0(line)
+    return ranks
 
 def set_up_machine(run):
-    """This rank's device, the process group joining the ranks, the CPU threads, the dtype this machine computes
-    fastest, and IPEX if it can run that dtype. Returns (device type, dtype, its autocast, IPEX or None: applied later)."""
+    """This rank's CPU threads, the dtype this machine computes fastest, and IPEX if it can run that dtype. Returns
+    (device type, dtype, its autocast, IPEX or None: applied later)."""
     args, ranks = run.args, run.ranks
-    ranks.device = world.pick_device(args.device, ranks.local_rank, ranks.world_size)
     device_type = ranks.device.split(":")[0]
     ipex = speedups.find_ipex(args.ipex, device_type, speedups.will_compile(args.compile, device_type), ranks.print0)
-    if ranks.world_size > 1:  # oneCCL when Intel's bindings are installed (fastest across Xeon nodes), else gloo on CPU
-        backend = world.choose_backend(args.backend, device_type)
-        where = world.init_process_group(backend, ranks.rank, ranks.world_size, ranks.local_world,
-                                           ranks.launcher, args.dist_timeout)
-        ranks.print0(f"distributed: {ranks.launcher}, world size {ranks.world_size}, backend {backend}, master {where}")
     if device_type == "cpu":  # one matmul thread per physical core, shared among the ranks on this node
         ranks.print0(cpu.set_cpu_threads(args.threads, ranks.world_size, ranks.local_world))
         ranks.print0(cpu.describe_cpu(torch.get_num_threads()))
@@ -504,8 +518,8 @@ def build_model(run, ckpt):
         if run.in_parts and not (args.lora and run.dtype == "bf16"):  # a stage, a share: built alone
             return parts.build_part(make, args, ranks, init_weights, run.dtype == "bf16")
         return sharding.build_in(torch.bfloat16, make, init_weights) if args.lora and run.dtype == "bf16" else make()
-    if ckpt is not None and not ckpt["sharded_path"] and not args.lora:
-        model = GPT.from_checkpoint(ckpt, build)
+    if ckpt is not None and not ckpt["sharded_path"] and not args.lora:  # (a rank that finds a tensor damaged stops all)
+        model = ranks.together(lambda: GPT.from_checkpoint(ckpt, build))
     elif (ckpt is None or args.lora) and args.init_from != "scratch":
         model, _ = load_model(args.init_from, build)
     else:  # from scratch; or the shapes for a sharded checkpoint's weights (read with its AdamW state, in prepare_training)
@@ -519,9 +533,9 @@ def build_model(run, ckpt):
     config, n_params = model.config, sum(p.numel() for p in model.parameters())
     if args.seq_len > config.block_size:
         raise SystemExit(f"error: --seq_len {args.seq_len} is longer than the model's context {config.block_size}")
-    if ranks.master and args.checkpoint_interval > 0:  # what trains, and AdamW's two moments, in fp32
-        checkpoints.check_free_space(args.log_dir, 12 * sum(p.numel() for p in model.parameters() if p.requires_grad),
-                                     "a checkpoint")
+    if args.checkpoint_interval > 0:  # what trains, and AdamW's two moments, in fp32 (on every node's disk)
+        ranks.together(lambda: ranks.keeper and checkpoints.check_free_space(
+            args.log_dir, 12 * sum(p.numel() for p in model.parameters() if p.requires_grad), "a checkpoint"))
     ranks.print0(parts.model_line(config, n_params, args))
     return model.to(ranks.device)  # the plain GPT: evaluation and sampling run it eagerly
 
@@ -541,13 +555,14 @@ def prepare_training(run, ckpt, ckpt_file):
     start_step = 0
     if ckpt is not None:
         if run.split_model is not None:  # each stage or share reads its part: of a .dcp, or cut from a one-process .pt
-            run.split_model.load_sharded(parts.source(ckpt, run.split_model.whole_model()), optimizer)
+            ranks.together(lambda: run.split_model.load_sharded(parts.source(ckpt, run.split_model.whole_model()),
+                                                                optimizer))
         elif ckpt["sharded_path"]:  # any number of ranks, sharded or not: each reads what it holds
-            checkpoints.load_sharded(ckpt["sharded_path"], model, optimizer)
+            parts.load_sharded(ckpt["sharded_path"], model, optimizer, ranks)
         elif run.sharded:
-            sharding.load_full_optimizer_state(model, optimizer, ckpt["optimizer"])
+            sharding.load_full_optimizer_state(model, optimizer, checkpoints.verify_weights(ckpt, "optimizer"))
         else:
-            optimizer.load_state_dict(ckpt["optimizer"])
+            optimizer.load_state_dict(checkpoints.verify_weights(ckpt, "optimizer"))
         run.train_loader.load_state_dict(ckpt["loader"])
         torch.set_rng_state(ckpt["rng"]["torch"])
         start_step = ckpt["step"]
@@ -567,8 +582,6 @@ def prepare_training(run, ckpt, ckpt_file):
         keep_packed_attention_eager()
         compile = lambda m: speedups.compile_if_possible(m, run.ipex, run.device_type, ranks.print0)  # noqa: E731
         model, compiled = (model, run.split_model.compile(compile)) if run.split_model else compile(model)
-    if ranks.world_size > 1:  # the same checkpoint on every rank: DDP copies rank 0's weights, but nothing else
-        world.check_same_start(ranks, start_step)
     if ranks.world_size > 1 and not run.sharded and run.split_model is None:  # DDP averages the gradients during backward, bucket by bucket
         from torch.nn.parallel import DistributedDataParallel as DDP
         model = DDP(model, device_ids=[ranks.local_rank] if run.device_type == "cuda" else None)
@@ -626,14 +639,15 @@ def save_checkpoint(run, step, val_loss, evaluated=True):
              "rng": {"torch": torch.get_rng_state()}, "val_loss": val_loss, "task": run.task, "lora": run.lora,
              "evaluated": evaluated, "budget": run.budget and run.budget.state()}  # evaluated False: stopped by a signal before this step's evaluations
     if run.in_parts:  # every rank writes its part, in the whole model's names: any layout reads it (plumbing/parts.py)
-        part = run.split_model.state(optimizer) if run.split_model else checkpoints.state_of(model, optimizer)
-        checkpoints.save_sharded(checkpoint_path(args.log_dir, step, sharded=True), part, state, ranks)
+        part = run.split_model.state(optimizer) if run.split_model else parts.state_of(model, optimizer)
+        parts.save_sharded(checkpoint_path(args.log_dir, step, sharded=True), part, state, ranks)
         return
-    if ranks.master:
+    if ranks.disks and len(ranks.disks) > 1:  # a disk per node: the first rank of each writes rank 0's checkpoint there
+        state = ranks.broadcast(state)  # (the data position and RNG; DDP's ranks all hold the same weights and AdamW)
+    if ranks.keeper:
         state.update(model=lora.adapters(model) if args.lora else model.state_dict(), optimizer=optimizer.state_dict())
-    if ranks.master:
         state["checksums"] = checkpoints.tensor_checksums(state)  # verified by load_checkpoint
-        checkpoints.atomic_save(state, checkpoint_path(args.log_dir, step))
+        checkpoints.atomic_save(state, checkpoint_path(args.log_dir, step), quiet=not ranks.master)
 
 def train_step(run, step):
     """One optimizer step over total_batch_size tokens: grad_accum_steps micro-batches on every rank.
@@ -685,6 +699,16 @@ def accumulate_gradients(run, batches, n_targets):
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
     return loss_accum, norm.full_tensor() if run.sharded else norm  # sharded: each rank's part of the global norm
 
+def check_same_weights(run):
+    """DDP's promise: every rank ends with the same weights (a pipeline's, tensor parallel's: each part's replicas
+    do; FSDP's ranks each hold their own pieces: their digests, none gathered whole)."""
+    if run.split_model:
+        run.split_model.check_same_weights(run.ranks)
+    elif run.sharded:
+        parts.check_same_parts(run.ranks, run.raw_model.state_dict(), 0, run.ranks.rank)
+    else:
+        world.check_same_weights(run.ranks, run.raw_model)
+
 def save_after_signal(run, signum, step, save):
     """After a SIGTERM or SIGINT: save where the run is, if `save` (its evaluations run when it resumes),
     and wait for every rank. Returns the exit code."""
@@ -704,13 +728,13 @@ def prune_or_stop_if_diverged(run, step, updated, skipped):
     older ones are pruned. MAX_SKIPPED_STEPS in a row stop the run, keeping the newest good checkpoint."""
     args, ranks = run.args, run.ranks
     if updated:
-        if ranks.master:
+        if ranks.keeper:  # (every node's folder, where each has its own)
             checkpoints.prune_checkpoints(args.log_dir, args.keep_checkpoints)
         return 0
     ranks.print0(f"warning: step {step}: the loss is not finite or above {DIVERGED_LOSS:.1f}, or the gradient norm "
                  "is not finite: update skipped")
     if skipped + 1 == MAX_SKIPPED_STEPS:  # every rank gets here alike
-        if ranks.master:
+        if ranks.keeper:
             checkpoints.prune_checkpoints(args.log_dir, 0, newer_than=step - MAX_SKIPPED_STEPS)
         found = list_checkpoints(args.log_dir)
         raise SystemExit(f"error: training diverged: {MAX_SKIPPED_STEPS} steps in a row with a diverged loss or "
@@ -724,10 +748,9 @@ def prune_or_stop_if_diverged(run, step, updated, skipped):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     cpu.warm_up_vector_math()  # so that a resumed run computes exactly what the uninterrupted one did
-    stop = world.GracefulStop()  # SIGTERM / Ctrl-C: finish the step, save a checkpoint, exit
     # How to run is the launcher's decision: torchrun, mpirun and srun each tell every process its rank
     # and the world size in their own variables; without one, we are a single process (world size 1).
-    ranks = world.Ranks(*world.detect_launch())
+    ranks = join_ranks(argv)
     args, task, ckpt, ckpt_file = resolve_args(argv, ranks)
     check_args(args, ranks.world_size)
     run = Run(args, ranks, task)
@@ -741,15 +764,18 @@ def main(argv=None):
     run.model, run.optimizer, run.compiled, start_step = prepare_training(run, ckpt, ckpt_file)
     evaluated = ckpt is not None and ckpt.get("evaluated", True)  # were start_step's evaluations done already?
     del ckpt
-    if ranks.master:  # log.txt, args.json (how the run started: for a --resume before its first checkpoint)
+    if ranks.keeper:  # log.txt, args.json (how the run started: for a --resume before its first checkpoint)
         checkpoints.prepare_log_dir(args.log_dir, vars(args), overwrite=args.overwrite and not args.resume,
-                                    fresh=ckpt_file is None)
+                                    fresh=ckpt_file is None, log=ranks.master)
     ranks.print0(f"total batch {args.total_batch_size} tokens = {args.batch_size} x {args.seq_len} x "
                  f"{run.replicas} rank(s) x {run.grad_accum_steps} accumulation steps" + (f" (x {args.pp} stages)" if args.pp > 1 else "")
                  + (f" (x {args.tp} tensor-parallel ranks)" if args.tp > 1 else ""))
     if run.device_type == "cpu" and not args.hours:  # how long the run will take here, before its first step
         ranks.print0(progress.forecast(run, start_step))
 
+    # SIGTERM / Ctrl-C from here on: finish the step, save a checkpoint, exit (before, nothing is lost: they stop the
+    # process at once, also one waiting for ranks that will never come, as torchrun restarting its workers finds)
+    stop = world.GracefulStop()
     skipped, exit_code, first_dt, eta = 0, 0, 0.0, progress.StepClock(
         args, start_step, ranks.print0, run.budget and run.budget.deadline)  # (the step line's ETA)
     for step in itertools.count(start_step):  # to args.max_steps, which --hours re-fits to the clock at every step
@@ -762,7 +788,7 @@ def main(argv=None):
         if due(args.checkpoint_interval) and step > 0 and not skipped:
             save_checkpoint(run, step, val_loss)
         if last_step:
-            if ranks.master:
+            if ranks.keeper:
                 checkpoints.prune_checkpoints(args.log_dir, args.keep_checkpoints)
             break
 
@@ -783,8 +809,7 @@ def main(argv=None):
             break
 
     report.update(run, final=True)  # the picture of the whole run
-    # DDP's promise: every rank ends with the same weights (a pipeline's: each stage's replicas do)
-    run.split_model.check_same_weights(ranks) if run.split_model else world.check_same_weights(ranks, run.raw_model)
+    check_same_weights(run)
     world.report_peak_memory(ranks)
     if ranks.world_size > 1:
         run.model = run.raw_model = run.optimizer = run.split_model = None  # they hold the group (DDP's reducer, FSDP's mesh): freed first

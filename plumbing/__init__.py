@@ -15,7 +15,10 @@ but not to read first. One topic per module:
   pipeline.py     pipeline parallel (--pp): its flags' checks, the stages on a (dp, pp, tp) mesh, its schedule,
                   its checkpoints
   tensor_parallel.py  tensor parallel (--tp): each block split over ranks
-  parts.py        a rank's part of the model under --pp and --tp: built alone, read by name, digested
+  parts.py        a rank's part of the model under --pp and --tp: built alone, read by name, digested; the
+                  .dcp checkpoints every sharded layout writes and reads
+  node_disks.py   a disk per node: which ranks share --log_dir, what each disk keeps of a checkpoint, the
+                  checkpoint the ranks agree to resume, files sent to the disks that lack them
   layouts.py      --parallel auto: the layout predicted fastest from measured links and memory
   cluster.py      what --parallel auto measures: free memory, crowded cores, links, a block's time
   fused_loss.py   lm_head and the loss, a chunk of positions at a time

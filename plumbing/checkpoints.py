@@ -6,7 +6,7 @@ refused, one run per folder.
   - listing and pruning them; the log folder (log.txt and its lines, args.json) and its lock
   - atomic writes (a temporary file, then a rename) and a check of the free space beforehand
   - CRC-32 checksums of every tensor, verified when a checkpoint is loaded
-  - sharded (.dcp) checkpoints: each rank saves and loads its own pieces
+  - a sharded run's .dcp folder: named and listed here; its pieces are written and read by plumbing/parts.py
   - a big checkpoint (LOUD_BYTES) says what it writes, and then how big it was and how long it took
 """
 import glob
@@ -124,83 +124,52 @@ def append_log(log_dir, ranks, *lines):
         with open(os.path.join(log_dir, "log.txt"), "a") as f:
             f.write("".join(line + "\n" for line in lines))
 
-def prepare_log_dir(log_dir, run_args, overwrite, fresh):
+def prepare_log_dir(log_dir, run_args, overwrite, fresh, log=True):
     """log.txt is appended to (--overwrite: emptied, and the old checkpoints deleted). A fresh run records
-    its arguments in args.json, so that a --resume before its first checkpoint starts the same run."""
+    its arguments in args.json, so that a --resume before its first checkpoint starts the same run. log False: the
+    folder of another node's disk, without log.txt (rank 0 writes it)."""
     for f in list_checkpoints(log_dir) if overwrite else []:
         shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)
-    open(os.path.join(log_dir, "log.txt"), "w" if overwrite else "a").close()
+    if log:
+        open(os.path.join(log_dir, "log.txt"), "w" if overwrite else "a").close()
     if fresh:
         atomic_write(os.path.join(log_dir, "args.json"), lambda f: f.write(json.dumps(run_args, indent=1).encode()))
 
-def load_checkpoint(path):
+def load_checkpoint(path, weights=True):
     """A checkpoint file; or a sharded run's folder, whose meta.pt has all but the weights and AdamW state
-    (checkpoints.load_sharded reads those, each rank its own pieces)."""
+    (parts.load_sharded reads those, each rank its own pieces). The file is mapped, not read: a tensor is read when it
+    is used (a pipeline's stage reads its blocks of a one-process checkpoint, not the whole of it). weights False: the
+    checksums of the weights and AdamW state are checked as they are read (checked, verify_weights, parts.source)."""
     try:
         sharded = os.path.isdir(path)
-        ckpt = torch.load(os.path.join(path, "meta.pt") if sharded else path, map_location="cpu", weights_only=True)
-        ckpt["sharded_path"] = path if sharded else None
+        ckpt = torch.load(os.path.join(path, "meta.pt") if sharded else path, map_location="cpu", weights_only=True,
+                          mmap=not sharded)
     except Exception as e:
         raise SystemExit(f"error: cannot load checkpoint {path}: {one_line(e)}")
-    verify_checksums({k: v for k, v in ckpt.items() if k != "checksums"}, ckpt.get("checksums", {}), path)
+    ckpt.update(sharded_path=path if sharded else None, path=path, unchecked=set() if weights else {"model", "optimizer"})
+    verify_checksums({k: v for k, v in ckpt.items() if k not in ("checksums", *ckpt["unchecked"])},
+                     ckpt.get("checksums", {}), path)
     return ckpt
 
-def state_of(model, optimizer):
-    """{"model": ..., "optimizer": ...}: the state dicts DCP writes and reads, named by parameter (a sharded tensor is
-    this rank's pieces, with their places in the whole). A LoRA run's frozen base is no part of its checkpoints: only
-    what trains, and its AdamW state."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
-    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-    # (get_state_dict keeps a frozen tied weight under its second name, lm_head.weight: left out too)
-    return {"model": {k: v for k, v in model_state.items() if k not in frozen}, "optimizer": optimizer_state}
+def verify_weights(ckpt, part):
+    """ckpt[part] ("model" or "optimizer") checked against its checksums, if load_checkpoint left them unchecked."""
+    if part in ckpt["unchecked"] and part in ckpt:
+        verify_checksums({part: ckpt[part]}, ckpt.get("checksums", {}), ckpt["path"])
+        ckpt["unchecked"].discard(part)
+    return ckpt.get(part)
 
-def save_sharded(path, state, meta, ranks):
-    """A sharded checkpoint: a folder where each rank writes its own pieces of state (state_of, or a layout's own:
-    whole-model names, so that any layout reads it) with torch.distributed.checkpoint, rank 0 adds meta.pt (step,
-    config, data position, RNG...). It is written as path.tmp and renamed once every rank has finished, so a folder
-    named model_XXXXX.dcp is always whole."""
-    import torch.distributed.checkpoint as dcp
-    tmp = path + ".tmp"
-    # (rank 0 says it, from its own part: the ranks' parts are about equal)
-    written = say_writing(path, tensor_bytes(state) * torch.distributed.get_world_size() if ranks.master else 0)
-    if ranks.master and os.path.exists(tmp):  # left by a run killed while saving
-        shutil.rmtree(tmp)
-    torch.distributed.barrier()
-    dcp.save(state, checkpoint_id=tmp)  # returns when all have written
-    if ranks.master:
-        atomic_save(meta, os.path.join(tmp, "meta.pt"), quiet=True)
-        if os.path.exists(path):  # the same step saved again (a resumed run re-saving it): same contents
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-        written()
-    torch.distributed.barrier()
+def checked(ckpt, part, name):
+    """One tensor, ckpt[part][name], checked against its checksum if load_checkpoint left it unchecked."""
+    tensor = ckpt[part][name]
+    if part in ckpt["unchecked"]:
+        verify_checksums({f"{part}/{name}": tensor}, ckpt.get("checksums", {}), ckpt["path"])
+    return tensor
 
-def load_sharded(path, model, optimizer=None):
-    """The weights (and AdamW state) of a sharded checkpoint, into a model sharded over any number of ranks,
-    or not sharded at all: each rank reads just the pieces it owns now (DCP reshards on load). Without an optimizer,
-    the weights of model that the checkpoint holds (a full run's: all; a LoRA run's: its adapters): returns their names."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-    if optimizer is None:  # what the checkpoint holds decides, not what trains in model (a base under --lora is frozen)
-        held = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        state = {"model": {k: v for k, v in model.state_dict().items() if f"model.{k}" in held}}
-        dcp.load(state, checkpoint_id=path)
-        model.load_state_dict(state["model"], strict=False)
-        return set(state["model"])
-    state = state_of(model, optimizer)  # (a LoRA run's: the adapters, not the base)
-    dcp.load(state, checkpoint_id=path)
-    # (not strict: a LoRA run's frozen base is not asked for; DCP has already refused a checkpoint missing what trains)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
-
-def read_sharded(path, shapes):
-    """{name: the whole tensor} of a sharded checkpoint's weights (shapes: {name: shape}), read whole on every rank:
-    a LoRA run's adapters, small."""
-    import torch.distributed.checkpoint as dcp
-    state = {"model": {name: torch.empty(shape) for name, shape in shapes.items()}}
-    dcp.load(state, checkpoint_id=path, no_dist=True)
-    return state["model"]
+def remove_unfinished(folder):
+    """What a run killed while writing left here: model_*.tmp (a .pt, or a .dcp folder, being written) and *.tmp
+    inside a .dcp folder (a piece being received). Called by the folder's keeper, holding its lock."""
+    for path in glob.glob(os.path.join(folder, "model_*.tmp")) + glob.glob(os.path.join(folder, "model_*.dcp", "*.tmp")):
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 def tensor_checksums(obj, prefix=""):
     """{path: CRC-32 of the tensor's bytes} for every tensor in a nested dict/list (a checkpoint).

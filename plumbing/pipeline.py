@@ -82,6 +82,7 @@ class Pipeline:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
         from plumbing import tensor_parallel, world
         self.pp, self.tp = args.pp, getattr(args, "tp", 1)  # (a test's arguments may name only --pp)
+        self.ranks = ranks  # (a checkpoint's pieces are read on its disk)
         self.dp = ranks.world_size // (self.pp * self.tp)
         self.index, self.replica = (ranks.rank // self.tp) % self.pp, ranks.rank // (self.pp * self.tp)
         self.config, device_type = model.config, ranks.device.split(":")[0]
@@ -216,8 +217,8 @@ class Pipeline:
         """This stage's weights and AdamW state as DCP writes and reads them: the whole model's names, the tied weight
         under both of its names on both its stages (written once: they hold it alike), its moments under wte's; split
         (--tp), c_attn's rows as their blocks of the whole (tensor_parallel.as_pieces), unless not pieces."""
-        from plumbing import checkpoints, parts
-        state = checkpoints.state_of(self.stage.gpt, optimizer)
+        from plumbing import parts
+        state = parts.state_of(self.stage.gpt, optimizer)
         model, moments = state["model"], state["optimizer"]["state"]
         for mine, other in (("transformer.wte.weight", "lm_head.weight"), ("lm_head.weight", "transformer.wte.weight")):
             if mine in model:
@@ -247,7 +248,7 @@ class Pipeline:
             groups = get_optimizer_state_dict(self.stage.gpt, optimizer)["param_groups"]
             set_state_dict(self.stage.gpt, optimizer, model_state_dict=model,
                            optim_state_dict={"state": moments, "param_groups": groups})
-        parts.load(source, self.as_pieces(plain), into)
+        parts.load(source, self.as_pieces(plain), into, self.ranks)
 
     def check_same_weights(self, ranks):
         """The end-of-run check (world.check_same_weights), for a model in stages, by digests (plumbing/parts.py): the

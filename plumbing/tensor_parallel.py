@@ -156,6 +156,7 @@ class TensorParallel:
         config = model.config
         check_divides(args.tp, config.n_head, config.n_embd)  # (a pretrained model's or a checkpoint's own sizes)
         self.tp, self.dp, self.config, self.model = args.tp, ranks.world_size // args.tp, config, model
+        self.ranks = ranks  # (a checkpoint's pieces are read on its disk)
         self.train_model = model  # (compiled by compile())
         self.replica, self.device = ranks.rank // self.tp, ranks.device
         device_type = ranks.device.split(":")[0]
@@ -206,7 +207,7 @@ class TensorParallel:
         """This rank's share of the weights and AdamW state as DCP writes and reads them (plumbing/parts.py): the whole
         model's names and places; c_attn's rows, held in the ranks' order, as their three blocks of the whole."""
         from plumbing import checkpoints, parts
-        state = as_pieces(checkpoints.state_of(self.model, optimizer), self.config.n_embd, self.tp, self.tp_group)
+        state = as_pieces(parts.state_of(self.model, optimizer), self.config.n_embd, self.tp, self.tp_group)
         names = parts.trained_names(self.whole_model())
         state["optimizer"]["param_groups"] = parts.one_process_groups(names, optimizer.param_groups)
         return state
@@ -225,7 +226,7 @@ class TensorParallel:
         def into(_):  # (the pieces DCP filled are views of model_state's and optimizer_state's tensors)
             set_state_dict(self.model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
         state = as_pieces({"model": model_state, "optimizer": optimizer_state}, self.config.n_embd, self.tp, self.tp_group)
-        parts.load(source, state, into)
+        parts.load(source, state, into, self.ranks)
 
     def check_same_weights(self, ranks):
         """The end-of-run check (world.check_same_weights), for a split model, by digests (plumbing/parts.py): the

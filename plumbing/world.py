@@ -6,7 +6,7 @@ How the processes of a job find each other and agree.
     are installed), one-line errors when a rank can't join or a collective fails
   - the device each rank computes on
   - stop signals, agreed by all ranks so that they stop at the same step
-  - checks that the ranks start from the same step and end with the same weights
+  - checks that the ranks end with the same weights (they start from one checkpoint: plumbing/node_disks.py)
   - which ranks share a node (their hostnames), and whether a group of ranks lies inside one
 """
 import functools
@@ -81,10 +81,48 @@ class Ranks:
     local_world: int
     launcher: str  # single, torchrun, mpich, openmpi or slurm
     device: str = "cpu"  # where it computes: set once, when the run picks it (pick_device)
+    disks: list = None  # [[the ranks that see one --log_dir folder], ...] (plumbing/node_disks.py); None: one folder
 
     @property
     def master(self):  # rank 0 prints, logs and saves checkpoints; the others stay quiet
         return self.rank == 0
+
+    @property
+    def keeper(self):
+        """Whether this rank writes, renames and prunes the files of its --log_dir folder: rank 0, and where each node
+        has a folder of its own, the first rank of each (checkpoints; rank 0 alone writes log.txt and the report)."""
+        return self.master if self.disks is None else any(group[0] == self.rank for group in self.disks)
+
+    def gather(self, obj):
+        """[every rank's obj], by rank (one process: [obj])."""
+        everyone = [obj] * self.world_size
+        if self.world_size > 1:
+            torch.distributed.all_gather_object(everyone, obj)
+        return everyone
+
+    def broadcast(self, obj):
+        """Rank 0's obj, on every rank."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def together(self, work):
+        """work() on every rank; if it stops one rank (SystemExit), it stops all of them, rank 0 saying why, rather
+        than leaving the others waiting for the stopped rank's next collective. Returns what work() returned."""
+        if self.world_size == 1:
+            return work()
+        try:
+            result, problem = work(), None
+        except SystemExit as e:
+            result, problem = None, str(e.code) if isinstance(e.code, str) else f"rank {self.rank} exited {e.code}"
+        stopped = [(r, p) for r, p in enumerate(self.gather(problem)) if p]
+        if stopped:
+            rank, problem = stopped[0]
+            prefix = f"rank {rank}: " if rank and problem.startswith("error: ") else ""
+            raise SystemExit((problem.replace("error: ", f"error: {prefix}", 1)) if self.master else 1)
+        return result
 
     def print0(self, *a, **k):
         if self.master:
@@ -109,12 +147,11 @@ def mesh_of(world_size, pp, tp, device_type):
 def check_same_weights(ranks, model):
     """Every rank must hold the same weights at the end; a checksum per rank proves it.
     (The state dict: full fp32 weights in plain layout, also under IPEX, whose parameters are bf16 halves.)
-    Sharded, the ranks hold different pieces: each tensor is gathered whole, one at a time, so every rank
-    hashes the same weights (and the digest is the one a DDP run with the same weights prints)."""
+    A model in pieces (FSDP's, a pipeline's, tensor parallel's) is checked by the digests of its parts instead
+    (plumbing/parts.py)."""
     digest = state_digest(model.state_dict())
     if ranks.world_size > 1:
-        digests = [None] * ranks.world_size
-        torch.distributed.all_gather_object(digests, digest)
+        digests = ranks.gather(digest)
         if len(set(digests)) != 1:
             raise SystemExit(f"error: ranks hold different parameters after training: {digests}")
     ranks.print0(f"parameter sha256 (all {ranks.world_size} rank(s)): {digest}")
@@ -123,25 +160,15 @@ def state_digest(weights):
     """sha256 of a state_dict's tensors, in fp32, in sorted key order."""
     checksum = hashlib.sha256()
     for k in sorted(weights):  # one tensor at a time: joining them all first would double the peak memory
-        w = weights[k].full_tensor() if hasattr(weights[k], "full_tensor") else weights[k]  # sharded: gathered
-        checksum.update(w.detach().cpu().float().contiguous().numpy())
+        checksum.update(weights[k].detach().cpu().float().contiguous().numpy())
     return checksum.hexdigest()
 
 def report_peak_memory(ranks):
     """Each rank's peak resident memory (what the OS counts: weights, optimizer state, activations, buffers)."""
     import resource
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux counts KiB: GiB
-    peaks = [peak] * ranks.world_size
-    if ranks.world_size > 1:
-        torch.distributed.all_gather_object(peaks, peak)
+    peaks = ranks.gather(peak)
     ranks.print0(f"peak memory per rank: {', '.join(f'{p:.2f}' for p in peaks)} GiB")
-
-def check_same_start(ranks, start_step):
-    steps = [None] * ranks.world_size
-    torch.distributed.all_gather_object(steps, start_step)
-    if len(set(steps)) > 1:
-        raise SystemExit(f"error: the ranks resumed from different steps {steps}: give every rank the same "
-                         "checkpoint (a --log_dir on a shared file system, or the same --resume file)")
 
 # -----------------------------------------------------------------------------
 # The process group: the ranks find each other through rank 0's address

@@ -1,9 +1,11 @@
 """Helpers shared by the tests: tiny token shards, running train_gpt2.py as a user would (alone, or several
 processes at once), comparing two runs' final weights, one torch thread for tiny models, a few HellaSwag examples,
 tiny models that answer and fine-tuned checkpoints made by hand; and the xdist set-up (pytest.ini, docs/tests.md)."""
+import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -208,18 +210,41 @@ def run_launched(args, launcher, env, check=True):
     return done
 
 
-def start_ranks(args, world_size, outputs=None):
+def start_ranks(args, world_size, outputs=None, disks=None):
     """world_size train_gpt2.py processes started by hand with torchrun's variables, as srun starts Slurm's
-    tasks; rank r's stdout and stderr go to the file outputs[r], or to pipes when outputs is None."""
+    tasks; rank r's stdout and stderr go to the file outputs[r], or to pipes when outputs is None. disks: each rank's
+    folder, mounted over --log_dir for that rank alone (on_own_disk; ranks given the same folder share it, as the ranks
+    of one node share its disk)."""
     port, procs = free_port(), []
+    args = [str(a) for a in args]
     for rank in range(world_size):
         env = clean_env(RANK=rank, WORLD_SIZE=world_size, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world_size,
                         MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         streams = (dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE) if outputs is None
                    else dict(stdout=outputs[rank], stderr=subprocess.STDOUT))
-        procs.append(subprocess.Popen([sys.executable, os.path.join(REPO, "train_gpt2.py"), *map(str, args)],
-                                      env=env, cwd=REPO, text=True, **streams))
+        cmd = [sys.executable, os.path.join(REPO, "train_gpt2.py"), *args]
+        if disks:
+            cmd = on_own_disk(cmd, disks[rank], args[args.index("--log_dir") + 1])
+        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, text=True, **streams))
     return procs
+
+
+def run_ranks(args, world_size, disks=None, check=True):
+    """start_ranks, waited for (killed after LIMIT seconds): rank 0's output (rank 0 alone speaks), every rank's
+    stderr, and the worst exit code, as a CompletedProcess."""
+    procs = start_ranks(args, world_size, disks=disks)
+    try:
+        outputs = [p.communicate(timeout=LIMIT) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    rc = max((p.returncode for p in procs), key=abs)
+    done = subprocess.CompletedProcess(procs[0].args, rc, outputs[0][0], "".join(err for _, err in outputs))
+    if check and rc != 0:
+        raise AssertionError(f"{world_size} ranks of {' '.join(map(str, args))} failed ({rc}):\n{done.stdout}\n{done.stderr}")
+    return done
 
 
 @pytest.fixture
@@ -359,3 +384,76 @@ def record_prompts(monkeypatch, module, name):
         return real(model, ids, *args, **kwargs)
     monkeypatch.setattr(module, name, recording)
     return seen
+
+
+# -----------------------------------------------------------------------------
+# Hosts of their own on one machine: network namespaces (an address and a link each), and a disk of their own (a
+# private mount over --log_dir). Tools a test needs (mpirun, ip, unshare) are skipped where missing, except under
+# CI=true, where .ci/install-system has installed them and a skip would hide a failure.
+
+
+def need(available, what):
+    """Skip a test whose tool is missing, but fail under CI, where .ci/install-system provides it."""
+    if not available:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{what} is missing in CI: .ci/install-system should have installed it")
+        pytest.skip(f"{what} is not available here")
+
+
+def can_create_namespaces(tc=False):
+    """Whether this process may make network namespaces (root, iproute2's ip; tc too, to limit a link's rate)."""
+    if os.geteuid() != 0 or not shutil.which("ip") or (tc and not shutil.which("tc")):
+        return False
+    name = f"gpt2probe{os.getpid() % 100000}"
+    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    if ok:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return ok
+
+
+@contextlib.contextmanager
+def namespace_hosts(n, rate=None):
+    """n network namespaces ('hosts') on one bridge, which itself sits in a namespace of its own,
+    so nothing is added to this machine's own network. Addresses come from 198.18.0.0/15, the
+    range set aside for network benchmarks (RFC 2544); the namespaces have no other route. rate (tc's words: 1gbit):
+    what each host sends is limited to it (a token bucket, as bench/bench_parallel.py limits its links)."""
+    tag = f"gpt2t{os.getpid() % 100000}"
+    switch, hosts = f"{tag}sw", [f"{tag}h{i}" for i in range(n)]
+    created = []
+
+    def ip(*args):
+        subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+    try:
+        for ns in (switch, *hosts):
+            ip("netns", "add", ns)
+            created.append(ns)
+        ip("-n", switch, "link", "add", "br0", "type", "bridge")
+        ip("-n", switch, "link", "set", "br0", "up")
+        for i, ns in enumerate(hosts):
+            ip("-n", switch, "link", "add", f"port{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            ip("-n", switch, "link", "set", f"port{i}", "master", "br0")
+            ip("-n", switch, "link", "set", f"port{i}", "up")
+            ip("-n", ns, "addr", "add", f"198.18.0.{i + 1}/24", "dev", "eth0")
+            ip("-n", ns, "link", "set", "eth0", "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+            if rate:
+                subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
+                                rate, "burst", "256kb", "latency", "200ms"], check=True, capture_output=True)
+        yield hosts, [f"198.18.0.{i + 1}" for i in range(n)]
+    finally:
+        for ns in reversed(created):  # deleting a namespace deletes its ends of the veth pairs
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def can_mount_privately():
+    return os.geteuid() == 0 and shutil.which("unshare") is not None and shutil.which("mount") is not None
+
+
+def on_own_disk(cmd, disk, folder):
+    """cmd, run where the folder `disk` is mounted over `folder` for it alone (a mount namespace of its own): a node
+    whose --log_dir is on a disk no other node sees. Both folders are made if missing."""
+    os.makedirs(disk, exist_ok=True)
+    os.makedirs(folder, exist_ok=True)
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"',
+            "sh", str(disk), str(folder), *map(str, cmd)]

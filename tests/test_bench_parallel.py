@@ -4,32 +4,20 @@ line computed, within 10% (the packets' headers and the small collectives, the s
 difference; the acceptance of issue 34 asks 10% at GPT-2's size too). Nothing timed. Needs root and iproute2."""
 import os
 import re
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, clean_env
-from test_distributed import need
+from conftest import REPO, can_create_namespaces, clean_env, need
 
 pytestmark = pytest.mark.xdist_group("multiprocess")
 
 FACTOR = 1.10  # measured / computed, either way
 
 
-def can_make_namespaces():
-    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
-        return False
-    name = f"gpt2pbprobe{os.getpid() % 100000}"
-    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
-    if ok:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return ok
-
-
 def test_measured_bytes_are_the_computed_ones():
-    need(can_make_namespaces(), "making network namespaces for bench_parallel.py (root and iproute2: ip, tc)")
+    need(can_create_namespaces(tc=True), "making network namespaces for bench_parallel.py (root and iproute2: ip, tc)")
     bench = subprocess.Popen([sys.executable, "bench/bench_parallel.py", "--ranks", "2", "--layouts", "full,pp2",
                               "--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--seq_len", "32", "--tokens", "256",
                               "--steps", "1", "--rates", "1gbit"], cwd=REPO, stdout=subprocess.PIPE,
@@ -56,7 +44,7 @@ def test_ranks_sharing_a_hostname_are_a_node_to_parallel_auto():
     """4 ranks, 2 hostnames (--ranks_per_node 2: each rank its own namespace and UTS namespace): --parallel auto finds
     2 nodes of 2, times the link across them (a rank of each node with a rank of the other, both pairs at once), and
     offers tensor parallel over 2 ranks (a node's) but not over 4 (across the network)."""
-    need(can_make_namespaces(), "making network namespaces for bench_parallel.py (root and iproute2: ip, tc)")
+    need(can_create_namespaces(tc=True), "making network namespaces for bench_parallel.py (root and iproute2: ip, tc)")
     proc = subprocess.run([sys.executable, "bench/bench_parallel.py", "--ranks", "4", "--ranks_per_node", "2",
                            "--layouts", "grads", "--n_layer", "2", "--n_head", "4", "--n_embd", "32", "--seq_len", "32",
                            "--tokens", "256", "--steps", "1", "--rates", "1gbit", "--auto", "0.38"], cwd=REPO,

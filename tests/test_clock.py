@@ -14,12 +14,15 @@ import pytest
 import torch
 
 from conftest import REPO, make_shards
-from plumbing import clock, progress
+from plumbing import clock, progress, world
 import train_args
 
 
-class OneRank:
-    world_size, rank, master, device = 1, 0, True, "cpu"
+class OneRank(world.Ranks):
+    """One process, quiet."""
+
+    def __init__(self):
+        super().__init__(0, 1, 0, 1, "single")
 
     def print0(self, *a):
         pass
@@ -152,6 +155,7 @@ def test_the_probe_times_each_shape_as_the_run_will_train_it(monkeypatch):
 
 class Printed(OneRank):
     def __init__(self):
+        super().__init__()
         self.lines = []
 
     def print0(self, *a):

@@ -24,8 +24,8 @@ import torch
 
 import train_gpt2
 from plumbing import checkpoints
-from conftest import (LIMIT, REPO, TORCHRUN, clean_env, final_weights_diff, free_port, make_shards, read_log,
-                      run_launched, run_train, start_ranks, tiny_run_args)
+from conftest import (LIMIT, REPO, TORCHRUN, can_create_namespaces, clean_env, final_weights_diff, free_port,
+                      make_shards, namespace_hosts, need, read_log, run_launched, run_train, start_ranks, tiny_run_args)
 
 from plumbing.world import choose_backend, detect_launch
 from plumbing.cpu import cpu_list, physical_cores, ranks_sharing_cpus
@@ -40,23 +40,18 @@ TOL = 1e-5
 pytestmark = pytest.mark.xdist_group("multiprocess")
 
 
-def need(available, what):
-    """Skip a test whose tool is missing, but fail under CI, where .ci/install-system provides it."""
-    if not available:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{what} is missing in CI: .ci/install-system should have installed it")
-        pytest.skip(f"{what} is not available here")
-
-
 def weights_digest(state):
     """The trainer's end-of-run checksum, recomputed from a checkpoint's model state."""
     return hashlib.sha256(b"".join(state[k].float().numpy().tobytes() for k in sorted(state))).hexdigest()
 
 
-def printed_digest(stdout, world_size):
+def printed_digest(stdout, world_size, parts=False):
+    """The digest of the final weights that rank 0 printed for all ranks: of the whole weights (DDP), or of each rank's
+    parts (FSDP, a pipeline, tensor parallel: no rank gathers a tensor whole to check it)."""
     lines = [l for l in stdout.splitlines() if l.startswith("parameter sha256")]
     assert len(lines) == 1, stdout  # printed once: rank 0 speaks for all ranks
-    assert lines[0].startswith(f"parameter sha256 (all {world_size} rank(s)): "), lines[0]
+    of = ", of the parts" if parts else ""
+    assert lines[0].startswith(f"parameter sha256 (all {world_size} rank(s){of}): "), lines[0]
     return lines[0].split()[-1]
 
 
@@ -209,6 +204,7 @@ def test_ranks_read_disjoint_data_covering_one_process(data):
 def test_torchrun_two_ranks_equal_one_process(single, two_ranks):
     (ref_dir, ref), (dist_dir, proc) = single, two_ranks
     assert "distributed: torchrun, world size 2, backend gloo" in proc.stdout
+    assert f"log_dir: {dist_dir} is one folder shared by all 2 ranks" in proc.stdout  # (each rank looked)
     worst = assert_same_run(ref_dir, dist_dir)
     print(f"torchrun x2 vs 1 process: largest train loss difference {worst:.1e}")
     # the checksum is of the real final weights, and the ranks agreed on it
@@ -232,7 +228,7 @@ def test_mpirun_three_ranks_equal_one_process(data, single, tmp_path, shard):
     assert "3 rank(s) x 2 accumulation steps" in proc.stdout
     worst = assert_same_run(single[0], log_dir)
     print(f"mpirun x3 (--shard {shard}) vs 1 process: largest train loss difference {worst:.1e}")
-    printed_digest(proc.stdout, 3)
+    printed_digest(proc.stdout, 3, parts=shard == "full")
     assert final_weights_diff(single[0], log_dir) <= TOL
 
 
@@ -351,47 +347,6 @@ def test_multi_host_job_without_master_addr_fails_at_once(data, tmp_path):
 # Three hosts: network namespaces joined by a bridge, one rank in each
 
 
-@contextlib.contextmanager
-def namespace_hosts(n):
-    """n network namespaces ('hosts') on one bridge, which itself sits in a namespace of its own,
-    so nothing is added to this machine's own network. Addresses come from 198.18.0.0/15, the
-    range set aside for network benchmarks (RFC 2544); the namespaces have no other route."""
-    tag = f"gpt2t{os.getpid() % 100000}"
-    switch, hosts = f"{tag}sw", [f"{tag}h{i}" for i in range(n)]
-    created = []
-
-    def ip(*args):
-        subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-    try:
-        for ns in (switch, *hosts):
-            ip("netns", "add", ns)
-            created.append(ns)
-        ip("-n", switch, "link", "add", "br0", "type", "bridge")
-        ip("-n", switch, "link", "set", "br0", "up")
-        for i, ns in enumerate(hosts):
-            ip("-n", switch, "link", "add", f"port{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
-            ip("-n", switch, "link", "set", f"port{i}", "master", "br0")
-            ip("-n", switch, "link", "set", f"port{i}", "up")
-            ip("-n", ns, "addr", "add", f"198.18.0.{i + 1}/24", "dev", "eth0")
-            ip("-n", ns, "link", "set", "eth0", "up")
-            ip("-n", ns, "link", "set", "lo", "up")
-        yield hosts, [f"198.18.0.{i + 1}" for i in range(n)]
-    finally:
-        for ns in reversed(created):  # deleting a namespace deletes its ends of the veth pairs
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
-def can_create_namespaces():
-    if not shutil.which("ip"):
-        return False
-    name = f"gpt2probe{os.getpid() % 100000}"
-    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
-    if ok:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return ok
-
-
 @pytest.mark.parametrize("shard", ["none", "full"])
 def test_three_hosts_over_network_namespaces_equal_one_process(data, single, tmp_path, shard):
     """mpirun -n 3 -ppn 1 over three hosts, as MPICH's hydra would start it: each rank in its own
@@ -424,7 +379,7 @@ def test_three_hosts_over_network_namespaces_equal_one_process(data, single, tmp
     worst = assert_same_run(single[0], log_dir)
     print(f"3 namespace hosts (--shard {shard}) vs 1 process: largest train loss difference {worst:.1e}")
     assert final_weights_diff(single[0], log_dir) <= TOL
-    printed_digest(out0, 3)
+    printed_digest(out0, 3, parts=shard == "full")
 
 
 # -----------------------------------------------------------------------------
@@ -446,7 +401,7 @@ def test_torchrun_two_ranks_sharded_equals_ddp_and_one_process(single, two_ranks
     worst = assert_same_run(single[0], log_dir)
     print(f"torchrun x2 sharded vs 1 process: largest train loss difference {worst:.1e}")
     assert final_weights_diff(single[0], log_dir) <= TOL and final_weights_diff(two_ranks[0], log_dir) <= TOL
-    printed_digest(proc.stdout, 2)
+    printed_digest(proc.stdout, 2, parts=True)  # (each rank's pieces digested: none gathered whole to check them)
     assert re.search(r"peak memory per rank: [\d.]+, [\d.]+ GiB", proc.stdout)
 
 
@@ -614,7 +569,7 @@ def test_sharded_run_killed_with_sigkill_resumes_on_two_ranks_and_on_one(data, s
     proc = run_launched(["--resume", "--log_dir", log_dir], TORCHRUN, clean_env())
     assert "resumed from" in proc.stdout and "model_00003.dcp at step 3" in proc.stdout, proc.stdout.splitlines()[:12]
     assert read_log(log_dir, "train") == read_log(two_ranks_sharded[0], "train")  # same ranks: bitwise
-    assert printed_digest(proc.stdout, 2) == printed_digest(two_ranks_sharded[1].stdout, 2)
+    assert printed_digest(proc.stdout, 2, parts=True) == printed_digest(two_ranks_sharded[1].stdout, 2, parts=True)
     proc = run_train(["--resume", "--log_dir", tmp_path / "one" / "log"], env=clean_env(), timeout=LIMIT)
     assert "model_00003.dcp at step 3" in proc.stdout
     assert "--shard full: with one rank there is nothing to split" in proc.stdout

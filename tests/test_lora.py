@@ -229,14 +229,14 @@ def lora_args(data_dir, log_dir, base, *extra):
 def adapters_of(log_dir, step=6):
     """(the adapters a LoRA run's checkpoint of `step` holds, the checkpoint): a .pt, or a .dcp written in parts."""
     import lora
-    from plumbing import checkpoints
+    from plumbing import parts
     path = os.path.join(log_dir, f"model_{step:05d}.pt")
     path = path if os.path.exists(path) else path[:-3] + ".dcp"
     ckpt = train_gpt2.load_checkpoint(path)
     if ckpt["sharded_path"]:
         spec = ckpt["lora"]
         shapes = lora.adapter_shapes(train_gpt2.GPTConfig(**ckpt["config"]), spec["rank"], spec["targets"])
-        return checkpoints.read_sharded(path, shapes), ckpt
+        return parts.read_sharded(path, shapes), ckpt
     return ckpt["model"], ckpt
 
 

@@ -11,7 +11,7 @@ import lora
 import train_args
 import train_gpt2
 from conftest import free_port, make_shards, read_log, run_train, save_random_hf_gpt2
-from plumbing import checkpoints, sharding, world
+from plumbing import checkpoints, parts, sharding, world
 from train_gpt2 import GPT, GPTConfig
 
 # one worker builds the LoRA run that most of these tests read (a module fixture is per xdist worker)
@@ -95,7 +95,7 @@ def test_lora_on_a_sharded_base_reads_the_base(tmp_path):
     path = str(tmp_path / "model_00005.dcp")
     with one_rank_group() as ranks:   # a sharded run's checkpoint, as save_checkpoint writes it (the base: all of it)
         optimizer, _ = full.configure_optimizer(0.1, 1e-3, "cpu")
-        checkpoints.save_sharded(path, checkpoints.state_of(full, optimizer), {"config": vars(SMALL), "step": 5, "task": None, "lora": None},
+        parts.save_sharded(path, parts.state_of(full, optimizer), {"config": vars(SMALL), "step": 5, "task": None, "lora": None},
                                  ranks)
     model = train_gpt2.load_model(path, lambda config, init_weights=False: with_adapters(config))[0]
     assert len(lora.adapted(model)) == 2

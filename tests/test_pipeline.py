@@ -97,6 +97,22 @@ def test_checkpoints_cross_layouts(data, single, pp2, tmp_path):
     assert sample.returncode == 0, sample.stderr
 
 
+def test_a_stage_reads_only_its_own_tensors_of_a_one_process_checkpoint(single, tmp_path):
+    """A one-process .pt resumed on 2 stages is mapped, not read: each stage reads, and checks against its checksum, the
+    tensors it holds. Block 3's c_fc weight damaged (stage 1's: blocks 2-3): rank 1 refuses it in one line, and rank 0,
+    which never read it, has nothing to say (had it read the whole file, its own line would come first)."""
+    import torch
+    log = stopped_after_step_3(single[0], tmp_path / "log")
+    ckpt = torch.load(log / "model_00003.pt", weights_only=True)
+    ckpt["model"]["transformer.h.3.mlp.c_fc.weight"][0, 0] += 1.0  # (its checksum left as it was)
+    torch.save(ckpt, log / "model_00003.pt")
+    proc = run_launched(["--resume", "--log_dir", log, "--pp", "2"], torchrun(2), clean_env(), check=False)
+    assert proc.returncode != 0 and "step " not in proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: rank 1: checkpoint {log / 'model_00003.pt'} is damaged: tensor "
+                      "model/transformer.h.3.mlp.c_fc.weight does not match its checksum"], proc.stderr
+
+
 def test_sharded_stages_checkpoint_resumes_on_one_process(single, pp2_full, tmp_path):
     """Stages sharded over their replicas write their pieces of the weights and AdamW moments (no rank gathers them):
     the .dcp resumes on one process and continues the uninterrupted run."""

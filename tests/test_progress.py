@@ -132,7 +132,7 @@ def test_a_big_checkpoint_says_what_it_writes_and_how_long(tmp_path, monkeypatch
     how long); a smaller one says nothing, nor does the .dcp's meta.pt (written quietly inside the folder)."""
     import torch
     from conftest import free_port
-    from plumbing import checkpoints, world
+    from plumbing import checkpoints, parts, world
     monkeypatch.setattr(checkpoints, "LOUD_BYTES", 4000)
     big, small, dcp = (str(tmp_path / f"model_0000{i}.{ext}") for i, ext in ((1, "pt"), (2, "pt"), (3, "dcp")))
     checkpoints.atomic_save({"w": torch.zeros(1000)}, big)  # 4000 bytes
@@ -140,7 +140,7 @@ def test_a_big_checkpoint_says_what_it_writes_and_how_long(tmp_path, monkeypatch
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         ranks = world.Ranks(rank=0, world_size=1, local_rank=0, local_world=1, launcher="test")
-        checkpoints.save_sharded(dcp, {"model": {"w": torch.zeros(1000)}}, {"step": 3}, ranks)
+        parts.save_sharded(dcp, {"model": {"w": torch.zeros(1000)}}, {"step": 3}, ranks)
     finally:
         torch.distributed.destroy_process_group()
     size = checkpoints.folder_bytes(dcp)

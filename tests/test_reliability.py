@@ -371,3 +371,24 @@ def test_resume_gives_the_same_loss_in_every_process_beside_a_cpu_load(data, tmp
         burner.kill()
         burner.wait()
     assert len(losses) == 1, losses
+
+
+# ----------------------------------------------------------------------------- kill -9 under every layout
+
+@pytest.mark.xdist_group("multiprocess")
+def test_kills_during_training_and_saves_under_each_layout_resume_to_the_same_weights():
+    """bench/kill_soak.py, short: 2 ranks under --shard full (a disk per node), --pp 2 (one shared folder) and --tp 2 (a
+    disk per node), each killed with SIGKILL twice (one rank or both; the second kill once a .dcp save has begun) and
+    resumed; each ends with the uninterrupted run's digest, and no model_*.dcp folder ever lacked a piece or kept a *.tmp.
+    The long soak, 10 kills for each layout on each kind of folder: docs/reliability.md."""
+    from conftest import can_mount_privately, need
+    need(can_mount_privately(), "a private mount for each rank (root, unshare)")
+    proc = subprocess.run([sys.executable, "bench/kill_soak.py", "--kills", "2", "--steps", "12",
+                           "--cases", "full/disks,pp2/shared,tp2/disks"], cwd=REPO, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = re.findall(r"^\| (full|pp2|tp2) \| (disks|shared) \| 2 \(1 in a save\) \| \d+ \| (\d+) \| (\d+)/(\d+) \| 0 \|",
+                      proc.stdout, re.M)
+    assert [r[:2] for r in rows] == [("full", "disks"), ("pp2", "shared"), ("tp2", "disks")], proc.stdout
+    assert all(int(r[2]) >= 1 and r[3] == r[4] == r[2] for r in rows), proc.stdout
+    assert len(re.findall(r"kill \d: rank\(s\) [01,]+( during a save)?; exit codes", proc.stdout)) == 6, proc.stdout
