@@ -23,7 +23,10 @@ from tqdm import tqdm
 import tasks
 import tokenizer
 from dataloader import open_split, read_task
-from plumbing import ShowDefaults, cpu, one_line, speedups, world
+from compute import cpu, speedups
+from model import KVCache, load_model
+from parallel import world
+from plumbing.common import ShowDefaults, one_line
 
 # -----------------------------------------------------------------------------
 # 1. Greedy answers, many at once
@@ -31,14 +34,14 @@ from plumbing import ShowDefaults, cpu, one_line, speedups, world
 # Task accuracy asks hundreds of prompts. One forward per new token serves a whole batch of them: the rows are
 # left-padded to the longest prompt, so that all of them end in the same column and each step takes every row's next
 # token from it; the KVCache's pads give each row its own positions and keep every query away from the padding
-# (train_gpt2.KVCache). Prompts of similar lengths share a batch (sorted by length: little padding), and a row that is
+# (model.KVCache). Prompts of similar lengths share a batch (sorted by length: little padding), and a row that is
 # done (<|endoftext|>, or out of room) leaves the batch and the cache.
 
 def answers(model, prompts, max_new_tokens, batch_size=64, progress=None):
     """The model's greedy answer (new token ids, up to <|endoftext|>, not included) to each prompt (token ids), in input
-    order; max_new_tokens: one for all, or a list of one per prompt; an answer also ends where the context does. progress:
-    a tqdm bar, advanced by each batch. A batch changes only the float rounding of the sums, which could flip only a
-    near-tie of two tokens' logits (as bf16 or another CPU could). The caller sets autocast."""
+    order; max_new_tokens: one for all, or a list of one per prompt; an answer also ends where the context does.
+    progress: a tqdm bar, advanced by each batch. A batch changes only the float rounding of the sums, which could flip
+    only a near-tie of two tokens' logits (as bf16 or another CPU could). The caller sets autocast."""
     if isinstance(max_new_tokens, int):
         max_new_tokens = [max_new_tokens] * len(prompts)
     if len(max_new_tokens) != len(prompts) or not all(prompts):
@@ -58,7 +61,6 @@ def answers(model, prompts, max_new_tokens, batch_size=64, progress=None):
 @torch.no_grad()
 def greedy_batch(model, prompts, rooms):
     """The greedy answers to one batch of prompts, each up to <|endoftext|> or its room (>= 1) of tokens."""
-    from train_gpt2 import KVCache
     device = next(model.parameters()).device
     P = max(map(len, prompts))
     idx = torch.tensor([[tokenizer.EOT] * (P - len(ids)) + list(ids) for ids in prompts], device=device)
@@ -125,7 +127,7 @@ def task_accuracy(model, examples, autocast=None, max_new_tokens=None, answer_re
     (prompt ids, expected text); n: the first n only. max_new_tokens: None gives each answer room for a right
     one, and cuts short a wrong one that rambles on: the expected answer's tokens + 8 (a right answer has as
     many, give or take some whitespace), twice that + 16 with a regex (the working before the answer varies).
-    ranks (train_gpt2's world.Ranks): rank r answers examples r, r + world_size, ... and the counts are summed
+    ranks (parallel.world.Ranks): rank r answers examples r, r + world_size, ... and the counts are summed
     over the ranks; lockstep=True: every rank answers every example (a sharded model, whose every forward
     needs all the ranks)."""
     if isinstance(examples, (str, os.PathLike)):
@@ -273,7 +275,8 @@ def parse_args(argv=None):
     a("--ckpt_path", help="one of our checkpoints (log/model_XXXXX.pt), or a Hugging Face-layout folder")
     a("--input", nargs="+", action="extend", default=[], metavar="PATH_OR_DATASET",
       help="examples to score, as finetune.py reads them: .jsonl/.parquet files or globs, or a Hugging Face dataset")
-    a("--chat", action="store_true", help="talk with a model fine-tuned on chat data: your turns from stdin, one a line")
+    a("--chat", action="store_true",
+      help="talk with a model fine-tuned on chat data: your turns from stdin, one a line")
     a("--system", help="--chat: a system turn that opens the conversation")
     a("--answer_regex", help="score answers by this regex's first group (default: the model's task.json's, else the "
       "whole answer, whitespace normalized)")
@@ -312,9 +315,8 @@ def main(argv=None):
     args = parse_args(argv)
     if not args.chat:   # a dataset's split is checked before the model is loaded
         args.hf_split = args.hf_split or eval_split(args)
-    import train_gpt2
-    cpu.warm_up_vector_math()   # results independent of thread timing (see plumbing/cpu.py)
-    model, task = train_gpt2.load_model(args.ckpt_path)
+    cpu.warm_up_vector_math()   # results independent of thread timing (see compute/cpu.py)
+    model, task = load_model(args.ckpt_path)
     print(f"loaded {args.ckpt_path}: " + (f"fine-tuned on a {task['format']} task, its templates" if task else
                                           "no task.json, finetune.py's templates"), file=sys.stderr)
     if args.chat and "chat" not in (task or {}).get("formats", {}):

@@ -14,9 +14,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from plumbing import one_line
-from plumbing.checkpoints import atomic_write
-from plumbing.fused_loss import IGNORE, LOSS_CHUNK
+from plumbing.common import one_line
+from plumbing.common import atomic_write
+from compute.fused_loss import IGNORE, LOSS_CHUNK
 from plumbing.inputs import check_enough_tokens, find_shards, open_shard
 from tokenizer import EOT, get_encoding
 
@@ -129,7 +129,7 @@ def open_split(data_dir, split):
 
 # Examples, each a prompt and its answer whose tokens alone are targets, are packed whole into rows of T positions,
 # several to a row and never split across rows; positions restart at 0 for each example (GPT-2's are learned: the model
-# must see an example as if it were alone) and attention stays inside each (train_gpt2.packed_attention). A row's
+# must see an example as if it were alone) and attention stays inside each (model.packed_attention). A row's
 # unused tail is padding: attended by nothing, no target. DataLoader does the same with blocks instead of examples.
 
 PICK_MULTIPLE = LOSS_CHUNK  # pick_targets rounds up to whole chunks of the fused loss
@@ -175,8 +175,9 @@ class TaskLoader:
         examples = examples.astype(np.int64).reshape(-1, 3)  # (an empty split's were float64 before finetune.py said)
         lengths = examples[:, 2] - examples[:, 0] - 1  # positions: inputs are an example's tokens but its last
         if split == "train" and len(examples) and lengths.max() > T:
-            raise SystemExit(f"error: --data_dir {data_dir}: a {split} example fills {lengths.max()} positions, more than "
-                             f"--seq_len {T}: raise --seq_len, or prepare the data with finetune.py --max_len {T}")
+            raise SystemExit(f"error: --data_dir {data_dir}: a {split} example fills {lengths.max()} positions, "
+                             f"more than --seq_len {T}: raise --seq_len, or prepare the data with "
+                             f"finetune.py --max_len {T}")
         # a val example that does not fit a row is left out of the val loss, not a reason to stop a run (too_long says)
         self.too_long = int((lengths > T).sum())
         self.examples, self.lengths = examples[lengths <= T], lengths[lengths <= T]
@@ -186,10 +187,12 @@ class TaskLoader:
         self._pack()
 
     def _pack(self):  # a pure function of (seed, epoch), like DataLoader's orders
-        self.rows = pack(np.random.default_rng([self.seed, self.epoch]).permutation(len(self.examples)), self.lengths, self.T)
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.examples))
+        self.rows = pack(order, self.lengths, self.T)
 
     def rows_in_epochs(self, epochs):
-        return sum(len(pack(np.random.default_rng([self.seed, e]).permutation(len(self.examples)), self.lengths, self.T))
+        return sum(len(pack(np.random.default_rng([self.seed, e]).permutation(len(self.examples)),
+                            self.lengths, self.T))
                    for e in range(epochs))
 
     def state_dict(self):
@@ -219,7 +222,8 @@ class TaskLoader:
         return [self.batch(r) for r in mine], n_targets
 
     def val_batches(self):
-        """Every example of the split once, in order, this rank's rows (row i goes to rank i % world_size), B at a time."""
+        """Every example of the split once, in order, this rank's rows (row i goes to rank i % world_size), B at a
+        time."""
         mine = pack(range(len(self.examples)), self.lengths, self.T)[self.rank::self.world_size]
         return [self.batch(mine[i:i + self.B]) for i in range(0, len(mine), self.B)]
 
@@ -234,7 +238,8 @@ class TaskLoader:
                 start, _, end = self.examples[i]
                 n = end - start - 1
                 x[r, at:at + n] = self.tokens[start:end - 1]
-                y[r, at:at + n] = np.where(self.targets[start + 1:end] > 0, self.tokens[start + 1:end].astype(np.int64), IGNORE)
+                y[r, at:at + n] = np.where(self.targets[start + 1:end] > 0,
+                                           self.tokens[start + 1:end].astype(np.int64), IGNORE)
                 positions[r, at:at + n] = np.arange(n)
                 lengths.append(n)
                 at += n
@@ -250,7 +255,8 @@ class TaskLoader:
 def open_training_data(args, task, ranks):
     """This rank's loader of the training data (pretraining shards, or a task folder's examples); and the val data
     checked when it will be evaluated, so that a missing or short val split is one error line before any training."""
-    if args.demo:  # every rank builds (or finds) the shards: the cache is per host, and one that skipped this could read half a file
+    # every rank builds (or finds) the shards: the cache is per host, and one that skipped this could read half a file
+    if args.demo:
         build_demo_shards(args.data_dir)
     loader = (TaskLoader if task is not None else DataLoader)(args.data_dir, "train", args.batch_size, args.seq_len,
                                                               ranks.rank, ranks.world_size, args.seed)
@@ -272,7 +278,8 @@ def val_batches(args, task, ranks, lockstep=False):
     data) whatever the batch size or world size. lockstep (a sharded model): padded with None to the most any rank has,
     as every rank must join every forward's all-gathers."""
     if task is not None:
-        batches = TaskLoader(args.data_dir, "val", args.batch_size, args.seq_len, ranks.rank, ranks.world_size).val_batches()
+        val_loader = TaskLoader(args.data_dir, "val", args.batch_size, args.seq_len, ranks.rank, ranks.world_size)
+        batches = val_loader.val_batches()
     else:
         batches = [(x, y, None) for x, y in ValLoader(args.data_dir, args.seq_len, args.val_tokens, args.batch_size,
                                                        ranks.rank, ranks.world_size)]
@@ -312,4 +319,5 @@ def build_demo_shards(out_dir, max_tokens=8_000_000):
     val, train = tokens[::20], [t for i, t in enumerate(tokens) if i % 20 != 0]
     for name, docs in (("demo_val_000000.npy", val), ("demo_train_000001.npy", train)):
         path = os.path.join(out_dir, name)  # (ranks on one host may build at once: a temporary file each)
-        atomic_write(path, lambda f, a=np.concatenate(docs).astype(np.uint16): np.save(f, a), f"{path}.{os.getpid()}.tmp")
+        atomic_write(path, lambda f, a=np.concatenate(docs).astype(np.uint16): np.save(f, a),
+                     f"{path}.{os.getpid()}.tmp")

@@ -31,8 +31,9 @@ import shutil
 import sys
 
 import lora
+from model import CONV1D_WEIGHTS, load_model
 import tokenizer
-from plumbing import ShowDefaults
+from plumbing.common import ShowDefaults
 from plumbing.checkpoints import load_checkpoint
 
 FILES = ("config.json", "model.safetensors", "generation_config.json", "vocab.json", "merges.txt",
@@ -55,9 +56,9 @@ def hf_config(config):
 def hf_weights(model):
     """{transformers name: tensor}. safetensors stores each tensor once and contiguous, so the tied
     lm_head (the same tensor as wte) is left out, as save_pretrained does: transformers re-ties it."""
-    from train_gpt2 import CONV1D_WEIGHTS
     if model.config.vocab_size < tokenizer.VOCAB_SIZE:
-        raise SystemExit(f"error: the model has only {model.config.vocab_size} token ids, GPT-2 needs {tokenizer.VOCAB_SIZE}")
+        raise SystemExit(f"error: the model has only {model.config.vocab_size} token ids, "
+                         f"GPT-2 needs {tokenizer.VOCAB_SIZE}")
     weights = {}
     for name, w in model.state_dict().items():
         if name == "lm_head.weight":
@@ -109,7 +110,8 @@ def tokenizer_files(block_size):
     """{file name: text} of the GPT-2 tokenizer in transformers' layout."""
     ranks = tokenizer.load_ranks()  # sha256-checked
     as_text = bytes_to_unicode()
-    text = lambda token: "".join(as_text[b] for b in token)  # noqa: E731
+    def text(token):
+        return "".join(as_text[b] for b in token)
     vocab = {text(token): rank for token, rank in ranks.items()}
     vocab[EOT_TEXT] = tokenizer.EOT
     merges = [" ".join(map(text, split_by_lower_ranks(token, ranks)))
@@ -117,10 +119,11 @@ def tokenizer_files(block_size):
     special = {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT}
     # <|endoftext|> registered as the special token it is; no clean-up of spaces around punctuation on
     # decode (transformers 4.x would otherwise change " ." into "."): decoding gives back the text
+    eot_token = {"content": EOT_TEXT, "special": True, "normalized": False, "lstrip": False, "rstrip": False,
+                 "single_word": False}
     tokenizer_config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size, "add_prefix_space": False,
                         "add_bos_token": False, "clean_up_tokenization_spaces": False, "errors": "replace", **special,
-                        "added_tokens_decoder": {str(tokenizer.EOT): {"content": EOT_TEXT, "special": True, "normalized": False,
-                                                                        "lstrip": False, "rstrip": False, "single_word": False}}}
+                        "added_tokens_decoder": {str(tokenizer.EOT): eot_token}}
     return {"vocab.json": json.dumps(vocab, ensure_ascii=False),
             "merges.txt": "#version: 0.2\n" + "\n".join(merges) + "\n",
             "tokenizer_config.json": json.dumps(tokenizer_config, indent=2),
@@ -144,7 +147,8 @@ def export(model, out_dir, task=None):
     weights = hf_weights(model)
     texts = tokenizer_files(model.config.block_size)
     texts["config.json"] = json.dumps(hf_config(model.config), indent=2)
-    texts["generation_config.json"] = json.dumps({"bos_token_id": tokenizer.EOT, "eos_token_id": tokenizer.EOT}, indent=2)
+    texts["generation_config.json"] = json.dumps({"bos_token_id": tokenizer.EOT, "eos_token_id": tokenizer.EOT},
+                                                 indent=2)
     if task is not None:
         texts[TASK_FILE] = json.dumps(task, indent=2)
     write_folder(out_dir, texts, "model.safetensors", weights)
@@ -191,8 +195,8 @@ def main(argv=None):
     spec = load_checkpoint(args.checkpoint).get("lora") if args.adapter and os.path.exists(args.checkpoint) else None
     if args.adapter and not spec:
         raise SystemExit(f"error: --adapter: {args.checkpoint} is not a LoRA checkpoint (train_gpt2.py --lora R)")
-    from train_gpt2 import load_model
-    model, task = load_model(args.checkpoint, merge=not args.adapter)  # checksums verified, one error line if unreadable
+    # checksums verified, one error line if unreadable
+    model, task = load_model(args.checkpoint, merge=not args.adapter)
     n = export_adapter(model, args.output_dir, spec) if args.adapter else export(model, args.output_dir, task)
     files = ADAPTER_FILES if args.adapter else FILES + ((TASK_FILE,) if task else ())
     print(f"exported {args.checkpoint} ({n / 1e6:.2f}M parameters, {model.config.n_layer} layers) to "

@@ -24,8 +24,8 @@ import sys
 import numpy as np
 
 from dataloader import TASK_VERSION
-from plumbing import ShowDefaults, one_line
-from plumbing.checkpoints import atomic_write
+from plumbing.common import ShowDefaults, one_line
+from plumbing.common import atomic_write
 from tasks import FIELDS, TEMPLATES, check_answer_regex, collect, open_sources, parse_columns
 from tokenizer import decode
 
@@ -123,7 +123,8 @@ def prepare(args):
     task_path = os.path.join(args.output_dir, "task.json")
     try:
         os.makedirs(args.output_dir, exist_ok=True)
-        if os.path.exists(task_path):   # first: a run stopped while rewriting leaves a folder that says it is incomplete
+        # first: a run stopped while rewriting leaves a folder that says it is incomplete
+        if os.path.exists(task_path):
             os.remove(task_path)
         task["splits"] = {name: write_split(args.output_dir, name, splits[name]) for name in SPLITS}
         atomic_write(task_path, lambda f: f.write(json.dumps(task, indent=1).encode() + b"\n"))
@@ -218,7 +219,8 @@ def demo(args):
         accuracy = [line.split() for line in f if line.split()[1:2] == ["task"]]
     ckpt = train_gpt2.list_checkpoints(log_dir)[-1]
     print(f"\ndemo finished: task accuracy {float(accuracy[0][2]):.2f} at step {accuracy[0][0]} -> "
-          f"{float(accuracy[-1][2]):.2f} at step {accuracy[-1][0]} ({len(accuracy)} evals in {log_dir}/log.txt). Next:\n"
+          f"{float(accuracy[-1][2]):.2f} at step {accuracy[-1][0]} "
+          f"({len(accuracy)} evals in {log_dir}/log.txt). Next:\n"
           f"  python sample.py --ckpt_path {ckpt} --prompt 'Sort: 8 3 5 1 ->' --top_k 1   # ask it\n"
           f"  python answer.py --ckpt_path {ckpt} --input {val}   # score it, with examples")
 

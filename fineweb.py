@@ -23,8 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pyarrow.parquet as pq
 
-from plumbing import ShowDefaults
-from plumbing.checkpoints import atomic_write
+from plumbing.common import ShowDefaults
+from plumbing.common import atomic_write
 from plumbing.progress import Bar
 from tokenizer import EOT, get_encoding
 
@@ -334,9 +334,13 @@ def tokenize_all(units, manifest, manifest_path, args, rows=None):
     batches = read_batches(units, sharder.end[:2], args.batch_chars)
     if isinstance(rows, list):  # the documents before a place (unit, row): the rows of the units before it, and row
         before = np.cumsum([0] + rows).tolist()
-        total, done = before[-1], lambda: before[sharder.end[0]] + sharder.end[1]
+        total = before[-1]
+        def done():
+            return before[sharder.end[0]] + sharder.end[1]
     else:  # a stream's total, or none: documents as they are read (those a resumed run wrote: their EOTs)
-        total, done = rows, lambda: sharder.docs
+        total = rows
+        def done():
+            return sharder.docs
     bar = Bar(total, "tokenizing", "documents", initial=done())
     def consume(batch, future):
         sharder.add(batch, *future.result())

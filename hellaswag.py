@@ -31,10 +31,12 @@ import time
 import torch
 from torch.nn import functional as F
 
-from plumbing import ShowDefaults, cpu, speedups, world
-from plumbing.progress import Bar
-from plumbing.checkpoints import atomic_write
 import tokenizer
+from compute import cpu, speedups
+from model import PRETRAINED_NAMES, load_model
+from parallel import world
+from plumbing.common import ShowDefaults, atomic_write
+from plumbing.progress import Bar
 
 DEFAULT_DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hellaswag")
 # the dataset's home; set HELLASWAG_URL to fetch the same files from a mirror
@@ -289,10 +291,9 @@ def main(argv=None):
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "auto"], help="precision of the forward pass: "
                    "fp32 (the protocol behind published scores), bf16 (autocast), auto (bf16 where it is fast here)")
     args = p.parse_args(argv)
-    cpu.warm_up_vector_math()  # results independent of thread timing (see plumbing/cpu.py)
+    cpu.warm_up_vector_math()  # results independent of thread timing (see compute/cpu.py)
 
     # cheap checks first, so a typo fails in a second, not after loading a model
-    from train_gpt2 import PRETRAINED_NAMES
     if args.limit < 0 or args.batch_size < 1:
         raise SystemExit("error: --limit must be >= 0 and --batch_size >= 1")
     if not (args.model in PRETRAINED_NAMES or os.path.exists(args.model)):
@@ -306,7 +307,6 @@ def main(argv=None):
     if args.limit:
         examples = examples[:args.limit]
 
-    from train_gpt2 import load_model
     model, _ = load_model(args.model)
     model.to(args.device).eval()
     if torch.device(args.device).type == "cpu":

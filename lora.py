@@ -10,7 +10,7 @@ weight gradients, a third of a step's work. B starts at zero, so at step 0 the m
 inference the update merges into W (W + (alpha / R) B A): a plain GPT again, as fast as the base.
 
 A library: train_gpt2.py trains with it (--lora R), every script that loads a checkpoint merges with it
-(train_gpt2.load_model), and export_hf.py writes peft's adapter layout with it.
+(model.load_model), and export_hf.py writes peft's adapter layout with it.
 """
 import hashlib
 import math
@@ -21,7 +21,8 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from plumbing.checkpoints import checked
-from plumbing.sharding import copy_weight
+from plumbing.inputs import pretrained_files
+from parallel.sizes import copy_weight
 
 # --lora_targets: the Linear layers of each block that get adapters (GPT-2's module names, which peft uses too)
 TARGETS = {"attn": "attn.c_attn", "proj": "attn.c_proj", "fc": "mlp.c_fc", "mlp_proj": "mlp.c_proj"}
@@ -187,7 +188,6 @@ def base_identity(name, config, seed, files):
 def base_files(name, hub_names):
     """The files a base's weights are read from: OpenAI's (hub_names) or a folder's model.safetensors, one of our
     checkpoints; none for a random base ('scratch')."""
-    from plumbing.inputs import pretrained_files
     if name == "scratch":
         return []
     if os.path.isfile(name) or os.path.isfile(os.path.join(name, "meta.pt")):
@@ -206,7 +206,8 @@ def start(model, args, ckpt, hub_names):
         for name, p in model.named_parameters():
             if ".lora_" in name and not ckpt["sharded_path"]:
                 copy_weight(p, checked(ckpt, "model", name))
-    line = describe(model, args.lora, args.lora_alpha, args.lora_targets) + f" ({args.init_from}, sha256 {base['sha256'][:12]})"
+    line = (describe(model, args.lora, args.lora_alpha, args.lora_targets)
+            + f" ({args.init_from}, sha256 {base['sha256'][:12]})")
     return {"rank": args.lora, "alpha": args.lora_alpha, "targets": args.lora_targets, "base": base}, line
 
 def check_base(found, expected, what):

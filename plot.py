@@ -10,7 +10,8 @@ is the same picture of that run alone). Headless: no display needed.
 """
 import argparse
 
-from plumbing import ShowDefaults, report
+from plumbing import report
+from plumbing.common import ShowDefaults
 
 
 def main(argv=None):

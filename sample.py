@@ -24,7 +24,10 @@ import torch
 
 import tasks
 import tokenizer
-from plumbing import ShowDefaults, cpu, speedups, world
+from compute import cpu, speedups
+from model import load_model
+from parallel import world
+from plumbing.common import ShowDefaults
 
 
 def print_samples(model, ranks, autocast):
@@ -128,10 +131,9 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(argv)
-    import train_gpt2
-    cpu.warm_up_vector_math()  # results independent of thread timing (see plumbing/cpu.py)
+    cpu.warm_up_vector_math()  # results independent of thread timing (see compute/cpu.py)
     args.device = world.pick_device(args.device, 0, 1)
-    model, task = train_gpt2.load_model(args.ckpt_path or args.init_from)
+    model, task = load_model(args.ckpt_path or args.init_from)
     source = args.ckpt_path or args.init_from
     if args.ckpt_path or task:
         print(f"loaded {source}" + (f" (fine-tuned on a {task['format']} task)" if task else ""), file=sys.stderr)

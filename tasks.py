@@ -19,7 +19,7 @@ import sys
 import numpy as np
 from tqdm import tqdm
 
-from plumbing import one_line
+from plumbing.common import one_line
 from tokenizer import EOT, encode
 
 # The plain-text templates of the two formats that need one. No new special tokens: the vocabulary stays
@@ -38,7 +38,8 @@ TEMPLATES = {
     # learns to stop; "\n" after it when the user speaks again
     "chat": {"system": "System: {content}\n", "user": "User: {content}\n", "assistant": "Assistant:",
              "answer": " {content}", "after_answer": "\n"},
-    # prompt + separator + completion: nothing between them unless finetune.py --separator says (it is part of the prompt)
+    # prompt + separator + completion: nothing between them unless finetune.py --separator says
+    # (it is part of the prompt)
     "prompt_completion": {"separator": ""},
 }
 FORMAT_KEYS = {"prompt_completion": ("prompt", "completion"), "alpaca": ("instruction", "input", "output"),
@@ -88,8 +89,8 @@ def nonempty(text, reason, what):
 def chat_pieces(messages, chat, last_role="assistant"):
     """[system], user, assistant, user, assistant, ... ending with last_role, as pieces."""
     if not isinstance(messages, list) or not messages:
-        raise BadExample(f"wrong type: 'messages' is {'an empty array' if messages == [] else 'a ' + json_type(messages)}"
-                         ", not an array of turns")
+        described = "an empty array" if messages == [] else "a " + json_type(messages)
+        raise BadExample(f"wrong type: 'messages' is {described}, not an array of turns")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise BadExample(f"wrong type: messages[{i}] is a {json_type(m)}, not an object")
@@ -189,7 +190,8 @@ def drop_oldest_exchanges(messages, templates, train_on, max_len, what):
             n = (len(messages) - len(kept)) // 2
             return ids, targets, answer_start, (f"{what}: dropped its {n} oldest exchange{'s' * (n > 1)} "
                                                 f"({full - len(ids)} tokens), every answer kept with its question")
-    raise BadExample(f"{what}; dropped: its last exchange{' and the system turn alone take' if first else ' alone takes'} "
+    takes = " and the system turn alone take" if first else " alone takes"
+    raise BadExample(f"{what}; dropped: its last exchange{takes} "
                      f"{len(render({'messages': kept}, templates, train_on)[0]) - 1} positions")
 
 def prompt_ids(task, prompt):
@@ -235,7 +237,8 @@ def check_answer_regex(answer_regex):
         raise SystemExit(f"error: --answer_regex {answer_regex!r} has no group: put the answer in (...)")
 
 def unique_keys(pairs):
-    """json's object_pairs_hook: a key given twice is an error, not (as json.loads has it) the last one silently winning."""
+    """json's object_pairs_hook: a key given twice is an error, not (as json.loads has it) the last one silently
+    winning."""
     keys = [k for k, _ in pairs]
     if len(set(keys)) < len(keys):
         twice = next(k for k in keys if keys.count(k) > 1)
@@ -268,7 +271,8 @@ def dataset_source(where, columns, failure, **load_dataset_args):
                          f" (columns: {', '.join(known)}); see --columns")
     return Source(where, lambda: ((f"{where}:{i}", row) for i, row in enumerate(ds, 1)))
 
-def is_dataset(name):  # no local .jsonl/.parquet file or pattern: a Hugging Face dataset (or a folder laid out like one)
+# no local .jsonl/.parquet file or pattern: a Hugging Face dataset (or a folder laid out like one)
+def is_dataset(name):
     return os.path.isdir(name) or not (any(c in name for c in "*?[") or name.lower().endswith(SUFFIXES) or
                                        os.path.isfile(name))
 
@@ -337,9 +341,10 @@ def collect(sources, args, templates, max_len, what="examples"):
 
 # Where a prompt meets its answer: encoded apart (see render), the boundary is exact, but two kinds of prompt/completion
 # data train on tokens the user probably did not mean. joined: "The answer is " + "42" trains on ' ' + '42' where the
-# joined text has ' 42': consistent, but a pretrained GPT-2 rarely saw that split, and re-tokenizing the joined text gives
-# other ids (the space belongs at the completion's start). glued: "What is 3 plus 3?" + "3 plus 3 is 6." has nothing
-# between them, so the model learns answers glued to the question mark (finetune.py --separator "\n" is the usual fix).
+# joined text has ' 42': consistent, but a pretrained GPT-2 rarely saw that split, and re-tokenizing the joined text
+# gives other ids (the space belongs at the completion's start). glued: "What is 3 plus 3?" + "3 plus 3 is 6." has
+# nothing between them, so the model learns answers glued to the question mark (finetune.py --separator "\n" is the
+# usual fix).
 
 def boundary(example, fmt, templates):
     """Which of 'joined' and 'glued' (above) this example is: a list of none, one or both."""

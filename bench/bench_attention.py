@@ -4,14 +4,14 @@ How fast is one layer's causal attention, forward and backward, by PyTorch's SDP
     python bench/bench_attention.py                      # GPT-2's shape: B 4, 12 heads, T 1024, head 64, bf16
     python bench/bench_attention.py --turns 20 --seq_len 512
 
-plumbing/attention.py's two ways, F.scaled_dot_product_attention(is_causal=True) and attention.causal_attention
-(plumbing/attention.cpp: oneDNN brgemm products on AMX, or on AVX512-BF16 without AMX), on the same q, k, v laid out
+compute/attention.py's two ways, F.scaled_dot_product_attention(is_causal=True) and attention.causal_attention
+(compute/attention.cpp: oneDNN brgemm products on AMX, or on AVX512-BF16 without AMX), on the same q, k, v laid out
 as the model makes them (views of one (B, T, 3 C) tensor). Each turn times both, SDPA first in every other turn,
 forward and backward separately (wall clock, torch's threads), and the per-turn ratio of the two. It prints
 GFLOP/s counted as causal attention's useful work: forward 4 B H T^2 D / 2 (two products over half the scores),
 backward 2.5x that (five products; SDPA and ours both recompute the scores). Only the ratios compare: the machine
 changes speed between turns, both ways of one turn see nearly the same machine. After every turn it also probes
-this CPU's bf16 matmul rate at the model's MLP shape (plumbing.cpu, as bench_train.py does, width n_head x head) and
+this CPU's bf16 matmul rate at the model's MLP shape (compute.cpu, as bench_train.py does, width n_head x head) and
 gives each way's rate as a share of the fastest probe: what "at the matmul rate" would be.
 """
 import argparse
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import common  # noqa: F401 (the repository root on sys.path)
-from plumbing import attention, cpu
+from compute import attention, cpu
 
 
 def sdpa(q, k, v):
@@ -80,9 +80,10 @@ def main():
         rates = {w: flops[p] / min(seconds[w, p]) / 1e9 for w in ways}
         medians = {w: flops[p] / statistics.median(seconds[w, p]) / 1e9 for w in ways}
         ratios = sorted(a / b for a, b in zip(seconds["sdpa", p], seconds["ours", p]))
-        print(f"{p:8s}: sdpa {rates['sdpa']:.0f} GFLOP/s (median {medians['sdpa']:.0f}; {rates['sdpa'] / max(probes):.0%}), "
-              f"ours {rates['ours']:.0f} (median {medians['ours']:.0f}; {rates['ours'] / max(probes):.0%}); ours is "
-              f"{statistics.median(ratios):.2f}x sdpa (median of {len(ratios)} per-turn ratios; {ratios[0]:.2f}-{ratios[-1]:.2f})")
+        print(f"{p:8s}: sdpa {rates['sdpa']:.0f} GFLOP/s (median {medians['sdpa']:.0f}; "
+              f"{rates['sdpa'] / max(probes):.0%}), ours {rates['ours']:.0f} (median {medians['ours']:.0f}; "
+              f"{rates['ours'] / max(probes):.0%}); ours is {statistics.median(ratios):.2f}x sdpa (median of "
+              f"{len(ratios)} per-turn ratios; {ratios[0]:.2f}-{ratios[-1]:.2f})")
     both = [sum(seconds["sdpa", p][i] for p in flops) / sum(seconds["ours", p][i] for p in flops)
             for i in range(args.turns)]
     print(f"forward + backward: ours is {statistics.median(both):.2f}x sdpa (median of per-turn ratios); the best "

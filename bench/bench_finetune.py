@@ -48,14 +48,16 @@ import torch
 import common  # before train_gpt2: it puts the repository root on sys.path
 from dataloader import TaskLoader, open_split
 import finetune
-from plumbing import cpu, fused_loss, speedups, world
-from plumbing.fused_loss import IGNORE
+from compute import cpu, fused_loss, speedups
+from parallel import world
+from compute.fused_loss import IGNORE
 from tasks import Example
 from tokenizer import EOT
 import lora
 import train_args
 import train_gpt2
-from train_gpt2 import GPTConfig
+from model import PADDED_VOCAB_SIZE
+from model import GPTConfig
 
 KINDS = ("pretrain", "packed", "hf_padded")
 ANSWER_SHARE = 0.4  # the last 40% of an example's tokens are its answer (EOT included): its targets
@@ -136,7 +138,7 @@ def our_step(cfg, args, B):
     (step(): its figures, the model's parameter count, the dtype and why)."""
     fused_loss.LOSS_CHUNK = cfg.get("loss_chunk", fused_loss.LOSS_CHUNK)
     T, accum = args.seq_len, args.grad_accum
-    config = GPTConfig(block_size=T, vocab_size=train_gpt2.PADDED_VOCAB_SIZE,
+    config = GPTConfig(block_size=T, vocab_size=PADDED_VOCAB_SIZE,
                        n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     raw_model = common.random_model(config, cfg.get("threads") or cpu.physical_cores())
     dtype_name, dtype_line = speedups.resolve_dtype(cfg.get("dtype", args.dtype), "cpu", args.n_embd)
@@ -147,9 +149,9 @@ def our_step(cfg, args, B):
     run_args = train_args.build_parser().parse_args(["--batch_size", str(B), "--seq_len", str(T),
                                                      "--total_batch_size", str(B * T * accum), "--dtype", dtype_name])
     run = train_gpt2.Run(run_args, world.Ranks(0, 1, 0, 1, "single"), task=None)
-    run.raw_model, run.device_type, run.dtype = raw_model, "cpu", dtype_name
+    run.model, run.device_type, run.dtype = raw_model, "cpu", dtype_name
     run.optimizer, _ = raw_model.configure_optimizer(run_args.weight_decay, run_args.max_lr, "cpu")
-    run.model = speedups.compile_model(raw_model, cfg.get("budget")) if cfg["compile"] else raw_model
+    run.train_model = speedups.compile_model(raw_model, cfg.get("budget")) if cfg["compile"] else raw_model
     run.autocast = speedups.autocast(dtype_name, "cpu")
     n_params, lm_head = sum(p.numel() for p in raw_model.parameters()), raw_model.lm_head.weight.numel()
     frozen = sum(p.numel() for p in raw_model.parameters() if not p.requires_grad) - lm_head * bool(cfg.get("lora"))

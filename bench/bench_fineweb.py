@@ -194,7 +194,8 @@ def run_rounds(args, contenders):
 
 def shards_tokens(out_dir):
     """Every token a writer wrote, its shards in order (by index, the last 10 characters of a name)."""
-    return np.concatenate([np.load(f) for f in sorted(glob.glob(os.path.join(out_dir, "*.npy")), key=lambda f: f[-10:])])
+    shards = sorted(glob.glob(os.path.join(out_dir, "*.npy")), key=lambda f: f[-10:])
+    return np.concatenate([np.load(f) for f in shards])
 
 
 def main():

@@ -17,9 +17,9 @@ import time
 import torch
 
 import common  # before tokenizer and train_gpt2: it puts the repository root on sys.path
-from plumbing import cpu, speedups
+from compute import cpu, speedups
 import tokenizer
-from train_gpt2 import GPTConfig
+from model import GPTConfig
 
 
 @torch.no_grad()
@@ -40,7 +40,8 @@ def main():
     common.add_dtype_and_threads(p)
     args = p.parse_args()
     model = common.random_model(GPTConfig(), args.threads).eval()  # GPT-2 (124M) shape
-    args.dtype, dtype_line = speedups.resolve_dtype(args.dtype, "cpu", model.config.n_embd)  # now that the threads are set
+    # now that the threads are set
+    args.dtype, dtype_line = speedups.resolve_dtype(args.dtype, "cpu", model.config.n_embd)
     print(cpu.describe_cpu(torch.get_num_threads()))
     print(dtype_line)
     idx = torch.tensor([tokenizer.encode(args.prompt)] * args.num_samples)

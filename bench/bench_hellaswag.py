@@ -15,6 +15,7 @@ the same examples, taking turns in one process:
 All must pick the same endings; the script checks it.
 """
 import argparse
+import functools
 import random
 import re
 import time
@@ -25,9 +26,9 @@ from torch.nn import functional as F
 import common  # before hellaswag, tokenizer and train_gpt2: it puts the repository root on sys.path
 import hellaswag
 import tokenizer
-from plumbing import cpu, speedups
+from compute import cpu, speedups
 from train_args import DEMO_ARGS
-from train_gpt2 import PADDED_VOCAB_SIZE, GPTConfig
+from model import PADDED_VOCAB_SIZE, GPTConfig
 
 
 def synthetic_rounds(rounds, size, n_total=10042, seed=0):
@@ -98,11 +99,13 @@ def main():
     print(f"{len(flat)} synthetic examples: {n_ctx:.0f} context tokens and {n_end:.0f} tokens per ending on average; "
           f"{args.model} model, random weights; {args.dtype}; {torch.get_num_threads()} threads", flush=True)
 
+    def batched(exs, rnd, batch_size):  # hellaswag.py's way: every ending of a round in batches
+        scores, counts = hellaswag.score_endings(model, rnd, dtype=args.dtype, batch_size=batch_size)
+        return scores / counts
+
     methods = {"per-example (build-nanogpt)": lambda exs, rnd: per_example(model, exs, args.dtype)}
     for bs in [1] + [b for b in args.batch_sizes if b != 1]:
-        methods[f"hellaswag.py, batch {bs}"] = (
-            lambda exs, rnd, bs=bs: (lambda s, c: s / c)(*hellaswag.score_endings(model, rnd, dtype=args.dtype,
-                                                                                  batch_size=bs)))
+        methods[f"hellaswag.py, batch {bs}"] = functools.partial(batched, batch_size=bs)
     # The machine's speed drifts by 2x and more within minutes, so the methods take turns round by
     # round (who goes first rotates) and each method's time is summed over all rounds: drift hits all alike.
     names = list(methods)

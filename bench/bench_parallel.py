@@ -46,7 +46,8 @@ def layouts(n, n_head=12):
     """{name: trainer flags} for n ranks: DDP, FSDP (ZeRO-3, ZeRO-2), a pipeline of n stages, dp x pp for every other
     split of n (and its stages sharded, ZeRO-2 within each), tensor parallel over n ranks (where n divides the heads),
     and 2 stages of 2 tensor-parallel ranks."""
-    out = {"ddp": ["--shard", "none"], "full": ["--shard", "full"], "grads": ["--shard", "grads"], f"pp{n}": ["--pp", n]}
+    out = {"ddp": ["--shard", "none"], "full": ["--shard", "full"], "grads": ["--shard", "grads"],
+           f"pp{n}": ["--pp", n]}
     for pp in range(2, n):
         if n % pp == 0:
             out[f"dp{n // pp}xpp{pp}"] = ["--pp", pp]
@@ -81,12 +82,13 @@ def auto_choice(stdout, n):
 def computed_bytes(stdout, n):
     """Each rank's bytes a step as the trainer computed them, from its plan lines: 'data parallel: ... each rank sends
     X MB a step' (every rank alike), or a pipeline's 'stage s: ... each of its ranks sends X MB a step' (rank r is
-    stage (r // tp) % pp, as world.mesh_of lays them out). None for a rank the plan does not give."""
+    stage (r // tp) % pp, as mesh.mesh_of lays them out). None for a rank the plan does not give."""
     if m := re.search(r"^data parallel: .*each rank sends ([\d.]+) MB a step", stdout, re.M):
         return [float(m.group(1)) * 1e6] * n
     if m := re.search(r"^  each rank: .*sends ([\d.]+) MB a step", stdout, re.M):  # tensor parallel's plan
         return [float(m.group(1)) * 1e6] * n
-    stages = {int(s): float(x) * 1e6 for s, x in re.findall(r"^  stage (\d+): .*each of its ranks sends ([\d.]+) MB", stdout, re.M)}
+    stages = {int(s): float(x) * 1e6
+              for s, x in re.findall(r"^  stage (\d+): .*each of its ranks sends ([\d.]+) MB", stdout, re.M)}
     if m := re.search(r"^pipeline: (\d+) stages", stdout, re.M):
         split = re.search(r"^pipeline: .*each stage's blocks split over (\d+) tensor-parallel ranks", stdout, re.M)
         return [stages.get(r // int(split.group(1) if split else 1) % int(m.group(1))) for r in range(n)]
@@ -161,8 +163,9 @@ def run_layout(net, flags, args, data_dir, log_dir, port):
     compiled = flags[-1:] == ["compiled"]  # (--compile ab's second run of a layout)
     flags = flags[:-1] if compiled else flags
     cmd = [sys.executable, os.path.join(REPO, "train_gpt2.py"), "--data_dir", data_dir, "--log_dir", log_dir,
-           "--n_layer", args.n_layer, "--n_head", args.n_head, "--n_embd", args.n_embd, "--block_size", max(args.seq_len, 1024),
-           "--batch_size", 1, "--seq_len", args.seq_len, "--total_batch_size", args.tokens, "--max_steps", args.steps + 1,
+           "--n_layer", args.n_layer, "--n_head", args.n_head, "--n_embd", args.n_embd,
+           "--block_size", max(args.seq_len, 1024), "--batch_size", 1, "--seq_len", args.seq_len,
+           "--total_batch_size", args.tokens, "--max_steps", args.steps + 1,
            "--warmup_steps", 1, "--eval_interval", 0, "--sample_interval", 0, "--hellaswag_interval", 0,
            "--checkpoint_interval", 0, "--dtype", args.dtype, "--threads", args.threads, "--dist_timeout", 1800,
            *([] if compiled or args.compile == "on" else ["--no-compile"]), *flags]
@@ -174,7 +177,8 @@ def run_layout(net, flags, args, data_dir, log_dir, port):
                        GLOO_SOCKET_IFNAME="eth0", PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(args.threads))
             # a node's hostname (a UTS namespace of the rank's own): consecutive ranks on one node, as launchers do
             named = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', f"{PREFIX}node{rank // per_node}"]
-            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *named, *map(str, cmd)], cwd=REPO, env=env, text=True,
+            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *named, *map(str, cmd)], cwd=REPO, env=env,
+                                          text=True,
                                           stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
                                           stderr=subprocess.PIPE, preexec_fn=common.die_with_parent(signal.SIGTERM)))
         lines, marks = [], {}
@@ -228,38 +232,43 @@ def auto_report(rate, results, max_memory):
     lines = [f"--parallel auto at {rate}, --max_memory {max_memory} GiB: seconds a step, predicted and measured"]
     for name, seconds in auto["predicted"].items():
         m = measured.get(name)
-        lines.append(f"{name:>9} | predicted {seconds:7.2f} | " + (f"measured {m:7.2f} | {seconds / m:5.2f}x" if m else "not run"))
+        lines.append(f"{name:>9} | predicted {seconds:7.2f} | "
+                     + (f"measured {m:7.2f} | {seconds / m:5.2f}x" if m else "not run"))
     fits = [name for name in auto["predicted"] if name in measured]
     fastest, chosen = min(fits, key=measured.get), auto["chosen"]
     close = sum(abs(auto["predicted"][name] / measured[name] - 1) <= 0.25 for name in fits)
-    lines.append(f"auto chose {chosen} ({measured.get(chosen, float('nan')):.2f} s measured); the measured fastest that "
-                 f"fits: {fastest} ({measured[fastest]:.2f} s): {measured.get(chosen, math.inf) / measured[fastest]:.2f}x "
-                 f"its time; predictions within 25% of the measured: {close} of {len(fits)}")
+    lines.append(f"auto chose {chosen} ({measured.get(chosen, float('nan')):.2f} s measured); the measured "
+                 f"fastest that fits: {fastest} ({measured[fastest]:.2f} s): "
+                 f"{measured.get(chosen, math.inf) / measured[fastest]:.2f}x its time; predictions within 25% of the "
+                 f"measured: {close} of {len(fits)}")
     return "\n".join(lines)
 
 def simulate(args):
-    """--simulate: the planner's choice (plumbing/layouts.py's own plan, predict and choose) for models and clusters
+    """--simulate: the planner's choice (parallel/layouts.py's own plan, predict and choose) for models and clusters
     this machine cannot hold, on paper: GPT-2 XL and a model twice its size on 4 to 64 nodes of --node_gib, one rank a
     node, at 1, 10 and 25 Gbit/s; a block's time from --tflops (a node's sustained matmul rate) instead of timed."""
     import common  # noqa: F401
-    from plumbing import layouts as L
-    from train_gpt2 import GPTConfig
+    from parallel import layouts as L
+    from model import GPTConfig
     models = {"GPT-2 XL (1.56B)": GPTConfig(block_size=1024, vocab_size=50304, n_layer=48, n_head=25, n_embd=1600),
               "2x XL (3.2B)": GPTConfig(block_size=1024, vocab_size=50304, n_layer=48, n_head=36, n_embd=2304)}
     rows, seq, batch = 1, 1024, 2**19  # build-nanogpt's step, 2^19 tokens, in micro-batches of one row of 1024
     print(f"on paper: nodes of {args.node_gib} GiB and {args.tflops} TFLOP/s (bf16), one rank a node, 50 us links; "
           f"{batch} tokens a step in micro-batches of {rows} x {seq}; fastest predicted layout that fits in "
           f"{L.HEADROOM:.0%} of the memory")
-    print(f"{'model':>17} | {'nodes':>5} | {'Gbit/s':>6} | {'layout':<40} | {'step s':>7} | {'tokens/s':>8} | GiB a rank")
+    print(f"{'model':>17} | {'nodes':>5} | {'Gbit/s':>6} | {'layout':<40} | {'step s':>7} | "
+          f"{'tokens/s':>8} | GiB a rank")
     for name, config in models.items():
         block_cost, _ = L.stage_split.stage_costs(config, seq)
         block_seconds = 3 * block_cost * rows * seq / (args.tflops * 1e12)  # forward and backward
         for nodes in (4, 8, 16, 32, 64):
-            micro = lambda dp: max(1, batch // (rows * seq * dp))  # noqa: E731
+            def micro(dp):
+                return max(1, batch // (rows * seq * dp))
             for gbit in (1, 10, 25):
                 found = [L.predict(L.plan(l, config, nodes, rows, seq, micro(nodes // (l.pp * l.tp)), True), config,
                                    nodes, seq, micro(nodes // (l.pp * l.tp)), block_seconds, (gbit * 1e9 / 8, 50e-6))
-                         for l in L.candidates(config, nodes, lambda pp: pp <= config.n_layer and micro(nodes // pp) >= pp,
+                         for l in L.candidates(config, nodes,
+                                               lambda pp: pp <= config.n_layer and micro(nodes // pp) >= pp,
                                                tp=False)]
                 best, _ = L.choose(found, args.node_gib * 2**30, fits_alone=False)
                 what = (best.describe(nodes), f"{best.seconds:7.1f}", f"{batch / best.seconds:8.0f}",
@@ -283,7 +292,8 @@ def main():
     p.add_argument("--compile", default="off", choices=["off", "on", "ab"], help="torch.compile the step (default: "
                    "eager; compiling a layout costs minutes here); ab: each layout eager, then compiled (NAME+c)")
     p.add_argument("--auto", type=float, default=None, metavar="GIB", help="also run --parallel auto with --max_memory "
-                   "GIB (below DDP's need) at each rate: its predicted step for every layout beside the measured, its choice")
+                   "GIB (below DDP's need) at each rate: its predicted step for every layout beside the "
+                   "measured, its choice")
     p.add_argument("--ranks_per_node", type=int, default=1, help="ranks given one hostname (a node, to --parallel "
                    "auto: tensor parallel inside it, its link timed apart); every rank keeps a link of its own")
     p.add_argument("--simulate", action="store_true", help="no runs: the planner's choices for GPT-2 XL and twice "
@@ -299,11 +309,12 @@ def main():
         return
     import numpy as np  # (here: the answer without root comes before torch's import)
     import common  # noqa: F401  (before plumbing: it puts the repository root on sys.path)
-    from plumbing import cpu
+    from compute import cpu
     known = layouts(args.ranks, args.n_head)
     names = [s for s in args.layouts.split(",") if s] or list(known)
     if unknown := [s for s in names if s not in known]:
-        raise SystemExit(f"error: --layouts {','.join(unknown)}: not a layout on {args.ranks} ranks ({', '.join(known)})")
+        raise SystemExit(f"error: --layouts {','.join(unknown)}: not a layout on {args.ranks} ranks "
+                         f"({', '.join(known)})")
     if args.compile == "ab":  # side by side, in one run: each layout eager, then compiled
         known.update({f"{name}+c": [*known[name], "compiled"] for name in names})
         names = [n for name in names for n in (name, f"{name}+c")]
@@ -326,7 +337,8 @@ def main():
             net.limit(rate)
             for name in names:
                 print(f"  {name} at {rate}: {' '.join(map(str, known[name]))}", flush=True)
-                r = run_layout(net, known[name], args, tmp, os.path.join(tmp, f"log_{rate}_{name}"), 29500 + len(results))
+                r = run_layout(net, known[name], args, tmp, os.path.join(tmp, f"log_{rate}_{name}"),
+                               29500 + len(results))
                 results.append((rate, name, r))
             if args.auto:  # (last: its predictions are compared with every layout's measured step)
                 print(f"  auto at {rate}: --parallel auto --max_memory {args.auto}", flush=True)

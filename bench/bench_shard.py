@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import common  # before plumbing: it puts the repository root on sys.path
-from plumbing import cpu, speedups
+from compute import cpu, speedups
 
 REPO = common.REPO
 SHAPES = {"small": (12, 12, 768), "medium": (24, 16, 1024), "large": (36, 20, 1280), "xl": (48, 25, 1600)}
@@ -64,11 +64,12 @@ def main():
     print(cpu.describe_cpu(torch.get_num_threads()) + " per rank")
     print(dtype_line)
     n_params = 12 * n_layer * n_embd**2 + 50304 * n_embd + 1024 * n_embd  # blocks, embeddings (lm_head tied)
-    print(f"GPT-2 {args.model} shape: {n_params / 1e6:.0f}M parameters, {args.ranks} ranks, B=1, T={args.seq_len}, {args.dtype}; "
-          f"training state (weights, gradients, AdamW) {16 * n_params / 2**30:.1f} GiB in all")
+    print(f"GPT-2 {args.model} shape: {n_params / 1e6:.0f}M parameters, {args.ranks} ranks, B=1, T={args.seq_len}, "
+          f"{args.dtype}; training state (weights, gradients, AdamW) {16 * n_params / 2**30:.1f} GiB in all")
     with tempfile.TemporaryDirectory() as tmp:
         rng = np.random.default_rng(0)
-        for name, n in (("bench_val_000000.npy", 4096), ("bench_train_000001.npy", (args.seq_len + 1) * args.ranks * (args.steps + 2))):
+        for name, n in (("bench_val_000000.npy", 4096),
+                        ("bench_train_000001.npy", (args.seq_len + 1) * args.ranks * (args.steps + 2))):
             np.save(os.path.join(tmp, name), rng.integers(0, 50257, n, dtype=np.uint16))
         print(f"{'--shard':>8} | {'peak RSS per rank (GiB)':>26} | {'max':>6} | {'tokens/s':>8}")
         for mode in args.modes.split(","):
@@ -76,8 +77,8 @@ def main():
             if "error" in r:
                 print(f"{mode:>8} | failed: {r['error']}")
                 continue
-            print(f"{mode:>8} | {', '.join(f'{x:.2f}' for x in r['peaks']):>26} | {max(r['peaks']):6.2f} | {r['tok_s']:8.0f}",
-                  flush=True)
+            print(f"{mode:>8} | {', '.join(f'{x:.2f}' for x in r['peaks']):>26} | {max(r['peaks']):6.2f} | "
+                  f"{r['tok_s']:8.0f}", flush=True)
 
 if __name__ == "__main__":
     main()

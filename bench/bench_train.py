@@ -12,12 +12,12 @@ A step is what train_gpt2.py does per optimizer step: --grad_accum forward+backw
 B x T tokens, gradient clipping, AdamW. It reports tokens/s; MFU, the share of this CPU's matmul
 rate that the step's FLOPs take at that speed (the rate: the fastest of the probes timed after every
 pair of steps, each a matmul of the model's shape, (M, n_embd) @ (n_embd, 4 n_embd), in the
-configuration's dtype, by plumbing.cpu; and, as a second line, against the median rate sustained over 1 s of
+configuration's dtype, by compute.cpu; and, as a second line, against the median rate sustained over 1 s of
 products, which a burst cannot lift: common.sustained_rate); and the peak resident memory (RSS) of each process. The
 header names the CPU (model, vector ISA, native bf16 or not): every figure is that CPU's.
 
 --dtype auto (the default): bf16 where this CPU computes it natively and faster than fp32, else fp32
-(plumbing.speedups.resolve_dtype; without native bf16 a bf16 matmul runs ~200x slower). Each worker decides
+(compute.speedups.resolve_dtype; without native bf16 a bf16 matmul runs ~200x slower). Each worker decides
 for itself, on its own threads, and the header says why.
 
 A configuration (--a, --b) is a comma-separated list of:
@@ -26,11 +26,11 @@ A configuration (--a, --b) is a comma-separated list of:
     keep | release           keep freed memory for reuse (cpu.keep_freed_memory), or let glibc's
                              malloc give big blocks back to the OS at every free, as it does by default
     fp32 | bf16              the dtype (bf16: under autocast); default: --dtype, resolved
-    plain                    = eager,full,release,attention=sdpa: build-nanogpt's step (cross_entropy on all logits), in the
-                             dtype of --dtype; plain,bf16 is its CPU path as written (autocast bf16 always)
-    loss_chunk=N             positions per chunk of the chunked loss (plumbing.fused_loss.LOSS_CHUNK)
+    plain                    = eager,full,release,attention=sdpa: build-nanogpt's step (cross_entropy on all logits),
+                             in the dtype of --dtype; plain,bf16 is its CPU path as written (autocast bf16 always)
+    loss_chunk=N             positions per chunk of the chunked loss (compute.fused_loss.LOSS_CHUNK)
     attention=auto|ours|sdpa causal attention by the kernel train_gpt2.py measures fastest here (auto), by
-                             plumbing/attention.cpp's (ours: AMX or AVX512-BF16), or by F.scaled_dot_product_attention
+                             compute/attention.cpp's (ours: AMX or AVX512-BF16), or by F.scaled_dot_product_attention
     budget=F                 torch.compile's activation memory budget, 0 < F <= 1 (1: keep all it can
                              for backward; default speedups.ACTIVATION_MEMORY_BUDGET)
     batch_size=N             sequences per micro-step, instead of --batch_size (A/B compares tokens/s)
@@ -56,9 +56,9 @@ import torch
 import torch.nn.functional as F
 
 import common  # before train_gpt2: it puts the repository root on sys.path
-from plumbing import cpu, fused_loss, speedups
-import train_gpt2
-from train_gpt2 import GPTConfig
+from compute import cpu, fused_loss, speedups
+from model import PADDED_VOCAB_SIZE
+from model import GPTConfig
 
 
 def describe(cfg):
@@ -73,7 +73,7 @@ def worker(cfg, args):
     if cfg["memory"] == "keep":
         cpu.keep_freed_memory()
     fused_loss.LOSS_CHUNK = cfg.get("loss_chunk", fused_loss.LOSS_CHUNK)
-    config = GPTConfig(block_size=args.seq_len, vocab_size=train_gpt2.PADDED_VOCAB_SIZE,
+    config = GPTConfig(block_size=args.seq_len, vocab_size=PADDED_VOCAB_SIZE,
                        n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     # both configurations start from the same weights and, drawn next, see the same data
     raw_model = common.random_model(config, cfg.get("threads") or cpu.physical_cores())
@@ -166,7 +166,8 @@ def report(args, workers, tokens, flops_per_token, measured):
         print(f"{w.name:2} {describe(w.cfg):<{width}} {tokens[w.name] / med:9.0f} {mfu[w.name]:6.1%} "
               f"{rss / 2**30:5.2f} GiB {faults:11.0f} {w.first:8.1f} s {w.warmup_peak['peak_rss'] / 2**30:7.2f} GiB")
     common.print_matmul_shares(workers, mfu, rates)
-    print(f"tokens/s: of the median step. MFU: the step's FLOPs per second ({flops_per_token / 1e9:.3f} GFLOP per token)\n"
+    print(f"tokens/s: of the median step. MFU: the step's FLOPs per second "
+          f"({flops_per_token / 1e9:.3f} GFLOP per token)\n"
           f"against this CPU's matmul rate in the configuration's dtype, at the model's shape (M, {args.n_embd}) @ "
           f"({args.n_embd}, {4 * args.n_embd}),\nas probed after every pair (GFLOP/s columns above).\n"
           "A:B: A's tokens/s over B's, in that pair. cpu A:B: the same in CPU time (all threads of each process),\n"

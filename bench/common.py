@@ -23,8 +23,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from plumbing import cpu  # noqa: E402
-from train_gpt2 import GPT  # noqa: E402
+from compute import cpu  # noqa: E402
+from model import GPT  # noqa: E402
 
 
 def add_dtype(parser):
@@ -114,13 +114,14 @@ def parse_config(text):
         elif key.isupper() and value:
             cfg.setdefault("env", {})[key] = value
         else:
-            raise SystemExit(f"error: unknown configuration item {item!r} in {text!r} (see python bench/bench_train.py --help)")
+            raise SystemExit(f"error: unknown configuration item {item!r} in {text!r} "
+                             "(see python bench/bench_train.py --help)")
     return cfg
 
 
 def choose_attention(how, dtype, batch_size, seq_len, config):
     """A worker's causal attention (a configuration's attention=auto|ours|sdpa); returns the line saying which."""
-    from plumbing import attention
+    from compute import attention
     line = attention.choose(dtype, batch_size, config.n_head, seq_len, config.n_embd // config.n_head)
     if how != "auto":
         attention.chosen = how == "ours" and bool(attention.kernel())
@@ -130,7 +131,8 @@ def choose_attention(how, dtype, batch_size, seq_len, config):
 
 def describe(cfg, words):
     """A configuration's name, for its lines: the script's `words` for it, then its dtype and the items with a value."""
-    words = words + [cfg["dtype"]] * ("dtype" in cfg) + [f"attention={cfg['attention']}"] * (cfg.get("attention", "auto") != "auto")
+    words = (words + [cfg["dtype"]] * ("dtype" in cfg)
+             + [f"attention={cfg['attention']}"] * (cfg.get("attention", "auto") != "auto"))
     words += [f"{k}={cfg[k]}" for k in ("lora", "batch_size", "loss_chunk", "threads", "budget") if k in cfg]
     words += [f"{k}={os.path.basename(v)}" for k, v in cfg.get("env", {}).items()]
     return ",".join(words)

@@ -22,11 +22,11 @@ hf    an independent loop, written as a Hugging Face user would: transformers' G
       answer.answer_key (exact match after whitespace normalization, or --answer_regex).
 
 Both run at the same time, each on --threads torch threads (1 by default: two processes on a 2-core machine;
---one_at_a_time: ours, then hf). Wall times: each side's whole run (ours: its process, startup and its two
-evaluations included; hf: training and evaluation), and its training steps alone, on this CPU at this moment.
-To try another default: --set NAME=VALUE runs train_gpt2.py with that constant of train_args.py changed, as if
-edited (the fine-tuning defaults are EXAMPLES_PER_STEP, FINETUNE_LR, FINETUNE_ARGS: --set EXAMPLES_PER_STEP=16), and
---our_flags adds flags (--our_flags '--max_lr 1e-3'); --only ours skips the HF loop, whose result does not depend on them.
+--one_at_a_time: ours, then hf). Wall times: each side's whole run (ours: its process, startup and its two evaluations
+included; hf: training and evaluation), and its training steps alone, on this CPU at this moment. To try another
+default: --set NAME=VALUE runs train_gpt2.py with that constant of train_args.py changed, as if edited (the fine-tuning
+defaults are EXAMPLES_PER_STEP, FINETUNE_LR, FINETUNE_ARGS: --set EXAMPLES_PER_STEP=16), and --our_flags adds flags
+(--our_flags '--max_lr 1e-3'); --only ours skips the HF loop, whose result does not depend on them.
 LoRA on a pretrained base, against peft: bench/compare_hf_lora.py runs this comparison.
 """
 import argparse
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 import common  # noqa: F401  (puts the repository root on sys.path)
 from answer import answer_key
 from dataloader import open_split, read_task
-from plumbing import cpu
+from compute import cpu
 from tasks import render
 from tokenizer import EOT, VOCAB_SIZE, decode, encode
 
@@ -63,7 +63,8 @@ WORDS = "cat dog red blue sun moon tree fish bird star car ship king queen apple
 def reverse_example(rng):
     """prompt/completion, answers of 2 to 5 words: the words in reverse order."""
     words = [rng.choice(WORDS[:10]) for _ in range(rng.randint(2, 5))]
-    return {"prompt": "Reverse the words: " + " ".join(words) + "\nReversed:", "completion": " " + " ".join(words[::-1])}
+    return {"prompt": "Reverse the words: " + " ".join(words) + "\nReversed:",
+            "completion": " " + " ".join(words[::-1])}
 
 def alpaca_example(rng):
     """Alpaca, two instructions on an input of 2 to 4 words: repeat them, or reverse them."""
@@ -124,7 +125,8 @@ def start_ours(args, work, block_size):
                "--block_size", str(block_size), "--no-compile", "--dtype", args.dtype, "--threads", str(args.threads),
                "--task_examples", str(n_val), "--eval_interval", "1000000000", "--checkpoint_interval", "0"]
     command += shlex.split(args.our_flags)   # (later flags win: to try other settings)
-    print("ours: train_gpt2.py " + " ".join(command[1 + len(launch):]) + "".join(f" (and {s})" for s in args.set), flush=True)
+    print("ours: train_gpt2.py " + " ".join(command[1 + len(launch):]) + "".join(f" (and {s})" for s in args.set),
+          flush=True)
     with open(os.path.join(work, "ours.out"), "w") as out:   # (the child has its own copy of the file)
         process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                                    preexec_fn=common.die_with_parent())
@@ -146,7 +148,8 @@ def finish_ours(process, work, log_dir, times):
         last = {kind: float(value) for _, kind, value in map(str.split, f)}   # (each kind's last line)
     settings = re.search(r"^fine-tuning: .*$", out, re.M).group(0)
     train_s = sum(float(ms) for ms in re.findall(r"^step .*\| dt (\d+)ms", out, re.M)) / 1000
-    return {"val loss": last["val"], "accuracy": last["task"], "wall s": times[1] - times[0], "train s": train_s, "settings": settings}
+    return {"val loss": last["val"], "accuracy": last["task"], "wall s": times[1] - times[0], "train s": train_s,
+            "settings": settings}
 
 # -----------------------------------------------------------------------------
 # 3. Hugging Face: GPT2LMHeadModel on padded batches, as its users train it
@@ -177,7 +180,8 @@ def padded(batch):
     shape = (len(batch), max(len(ids) for ids, _, _ in batch))
     input_ids, labels, mask = torch.full(shape, EOT), torch.full(shape, -100), torch.zeros(shape, dtype=torch.long)
     for row, (ids, labs, _) in enumerate(batch):
-        input_ids[row, :len(ids)], labels[row, :len(ids)], mask[row, :len(ids)] = torch.tensor(ids), torch.tensor(labs), 1
+        length = len(ids)
+        input_ids[row, :length], labels[row, :length], mask[row, :length] = torch.tensor(ids), torch.tensor(labs), 1
     return input_ids, mask, labels
 
 def hf_batches(args, n):
@@ -189,7 +193,8 @@ def hf_batches(args, n):
 def hf_optimizer(model, lr, weight_decay, betas=(0.9, 0.999)):
     """AdamW on what trains, weight decay on all but biases and LayerNorms (as Trainer groups them)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    no_decay = lambda name: name.endswith("bias") or ".ln_" in name   # noqa: E731
+    def no_decay(name):
+        return name.endswith("bias") or ".ln_" in name
     groups = [{"params": [p for n, p in named if not no_decay(n)], "weight_decay": weight_decay},
               {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8)
@@ -255,15 +260,16 @@ def run_hf(args, train, val, block_size):
     from transformers import GPT2Config, GPT2LMHeadModel, get_linear_schedule_with_warmup
     torch.manual_seed(args.seed)
     dropout = dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), args.hf_dropout)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB_SIZE, n_positions=block_size, n_embd=args.n_embd, n_layer=args.n_layer,
-                                       n_head=args.n_head, bos_token_id=EOT, eos_token_id=EOT, **dropout))
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB_SIZE, n_positions=block_size, n_embd=args.n_embd,
+                                       n_layer=args.n_layer, n_head=args.n_head, bos_token_id=EOT, eos_token_id=EOT,
+                                       **dropout))
     batches, optimizer = hf_batches(args, len(train)), hf_optimizer(model, args.hf_lr, args.hf_weight_decay)
     warmup = round(args.hf_warmup * len(batches))
     schedule = get_linear_schedule_with_warmup(optimizer, warmup, len(batches))
     return {**hf_fit_and_score(model, train, val, batches, optimizer, schedule, args, block_size),
             "settings": f"hf: {len(train)} examples x {args.epochs} epochs = {len(batches)} steps of {args.hf_batch} "
-                        f"examples; lr {args.hf_lr:g} linear to 0, warmup {warmup}, weight decay {args.hf_weight_decay:g}, "
-                        f"dropout {args.hf_dropout:g}"}
+                        f"examples; lr {args.hf_lr:g} linear to 0, warmup {warmup}, weight decay "
+                        f"{args.hf_weight_decay:g}, dropout {args.hf_dropout:g}"}
 
 # -----------------------------------------------------------------------------
 # 4. The command line
@@ -290,8 +296,8 @@ def build_parser():
     a("--hf_dropout", type=float, default=0.1, help="GPT2Config's default")
     a("--our_flags", default="", help="more flags for train_gpt2.py, to try other settings (e.g. '--max_lr 5e-4')")
     a("--set", action="append", default=[], metavar="NAME=VALUE",
-      help="run train_gpt2.py with train_args.py's constant NAME set to VALUE (a Python literal), e.g. EXAMPLES_PER_STEP=8 "
-           "or FINETUNE_LR=\"{'scratch': 5e-4, 'pretrained': 5e-5}\": a default under test")
+      help="run train_gpt2.py with train_args.py's constant NAME set to VALUE (a Python literal), e.g. "
+           "EXAMPLES_PER_STEP=8 or FINETUNE_LR=\"{'scratch': 5e-4, 'pretrained': 5e-5}\": a default under test")
     a("--only", choices=["ours", "hf"], help="run one side only")
     a("--one_at_a_time", action="store_true", help="ours, then hf (default: both at once)")
     a("--seed", type=int, default=1337, help="the HF loop's initial weights and order (ours: train_gpt2's --seed)")
@@ -310,7 +316,8 @@ def parse_args(argv=None, parser=None):
     return args
 
 def main(argv=None, args=None, theirs=None):
-    """args: parse_args's (default: of argv); theirs: the Hugging Face side, with run_hf's arguments and result (default)."""
+    """args: parse_args's (default: of argv); theirs: the Hugging Face side, with run_hf's arguments and result
+    (default)."""
     args = args or parse_args(argv)
     work = args.work_dir = args.work_dir or tempfile.mkdtemp(prefix="compare_hf_")
     os.makedirs(work, exist_ok=True)
@@ -324,7 +331,8 @@ def main(argv=None, args=None, theirs=None):
     results = {}
     if args.only != "hf":
         ours = start_ours(args, work, block_size)
-        if not all(same_as_task_folder(examples, ours[1], split) for examples, split in ((train, "train"), (val, "val"))):
+        if not all(same_as_task_folder(examples, ours[1], split)
+                   for examples, split in ((train, "train"), (val, "val"))):
             raise SystemExit("error: finetune.py's task folder holds other examples than tasks.render gives "
                              "(an example longer than --max_len 1024, cut by finetune.py?)")
         if args.one_at_a_time or args.only == "ours":
@@ -333,8 +341,9 @@ def main(argv=None, args=None, theirs=None):
         results["hf"] = (theirs or run_hf)(args, train, val, block_size)
     if "ours" not in results and args.only != "hf":
         results["ours"] = finish_ours(ours[0], work, *ours[2:])
-    print(f"\n{len(train)} train / {len(val)} val examples ({os.path.basename(args.train)}, {os.path.basename(args.val)}), "
-          f"{args.epochs} epochs, {args.n_layer} layers x {args.n_embd} wide, {args.n_head} heads, context {block_size}")
+    print(f"\n{len(train)} train / {len(val)} val examples ({os.path.basename(args.train)}, "
+          f"{os.path.basename(args.val)}), {args.epochs} epochs, {args.n_layer} layers x {args.n_embd} wide, "
+          f"{args.n_head} heads, context {block_size}")
     print(cpu.describe_cpu(args.threads) + f" each, {args.dtype}" + (", at the same time" if len(results) == 2 and
                                                                      not args.one_at_a_time else ""))
     print("\n".join([f"{'':6s} {'val loss':>9s} {'accuracy':>9s} {'wall s':>8s} {'train s':>8s}"] + [

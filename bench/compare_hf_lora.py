@@ -5,8 +5,9 @@ accuracy, its flags), with --lora.
 
     python train_gpt2.py --demo --max_steps 300 --log_dir /tmp/base_log        # a small base, made here
     python export_hf.py /tmp/base_log/model_00300.pt /tmp/base_hf                # one folder both sides load
-    python bench/compare_hf_lora.py --init_from /tmp/base_hf --synthetic reverse                 # peft as users run it
-    python bench/compare_hf_lora.py --init_from /tmp/base_hf --synthetic reverse --hf_like_ours  # the same hyperparameters
+    python bench/compare_hf_lora.py --init_from /tmp/base_hf --synthetic reverse  # peft as users run it
+    # the same hyperparameters
+    python bench/compare_hf_lora.py --init_from /tmp/base_hf --synthetic reverse --hf_like_ours
 
 ours  train_gpt2.py --init_from BASE --lora R --lora_alpha A on finetune.py's task folder, every other setting a
       fine-tuning default (compare_hf_finetune.py says which flags the bench adds: none that changes a weight).
@@ -42,7 +43,8 @@ def build_parser():
     p = compare.build_parser()
     p.description = "Our LoRA fine-tuning against peft's, on the same pretrained base and examples."
     a = p.add_argument
-    a("--init_from", required=True, help="the base: a Hugging Face-layout folder (export_hf.py's), loaded by both sides")
+    a("--init_from", required=True,
+      help="the base: a Hugging Face-layout folder (export_hf.py's), loaded by both sides")
     a("--lora", type=int, default=16, help="rank R (default: %(default)s)")
     a("--lora_alpha", type=float, default=32.0, help="alpha, the scale being alpha / R (default: %(default)s)")
     a("--hf_lora_dropout", type=float, default=0.05, help="peft's lora_dropout (default: %(default)s)")
@@ -67,9 +69,11 @@ def parse_args(argv=None):
     with open(config_file) as f:
         config = json.load(f)
     # the base's shape (for the summary line), its context (answers stop at its end), and ours' LoRA flags
-    args.n_layer, args.n_head, args.n_embd, args.block_size = (config[k] for k in ("n_layer", "n_head", "n_embd", "n_positions"))
+    keys = ("n_layer", "n_head", "n_embd", "n_positions")
+    args.n_layer, args.n_head, args.n_embd, args.block_size = (config[k] for k in keys)
     args.init_from = os.path.abspath(args.init_from)
-    args.our_flags = f"--init_from {args.init_from} --lora {args.lora} --lora_alpha {args.lora_alpha:g} {args.our_flags}"
+    args.our_flags = (f"--init_from {args.init_from} --lora {args.lora} --lora_alpha {args.lora_alpha:g} "
+                      f"{args.our_flags}")
     return args
 
 
@@ -107,8 +111,9 @@ def run_peft(args, train, val, block_size):
         warmup = round(args.hf_warmup * len(batches))
         schedule = get_linear_schedule_with_warmup(optimizer, warmup, len(batches))
         settings = (f"peft: lora_dropout {args.hf_lora_dropout:g}; {len(train)} examples x {args.epochs} epochs = "
-                    f"{len(batches)} steps of {args.hf_batch} examples; lr {args.hf_lr:g} linear to 0, warmup {warmup}, "
-                    f"betas (0.9, 0.999), weight decay {args.hf_weight_decay:g}, dropout {args.hf_dropout:g}")
+                    f"{len(batches)} steps of {args.hf_batch} examples; lr {args.hf_lr:g} linear to 0, "
+                    f"warmup {warmup}, betas (0.9, 0.999), weight decay {args.hf_weight_decay:g}, "
+                    f"dropout {args.hf_dropout:g}")
         return {**compare.hf_fit_and_score(model, train, val, batches, optimizer, schedule, args, block_size),
                 "settings": settings}
     ours = ours_settings(args.work_dir)
@@ -133,7 +138,7 @@ def ours_batches_and_first_a(args, ours, model):
     """Each step's examples as ours' loader deals them (train_gpt2's rows, world size 1), and ours' first A copied
     into peft's model (lora.init_adapters' draws depend on the shapes and the seed alone, not on the base)."""
     from dataloader import TaskLoader
-    from train_gpt2 import GPT, GPTConfig
+    from model import GPT, GPTConfig
     loader = TaskLoader(ours["data_dir"], "train", ours["batch_size"], ours["seq_len"], seed=ours["seed"])
     rows = ours["total_batch_size"] // ours["seq_len"]
     batches = [[i for _ in range(rows) for i in loader._next_row()] for _ in range(ours["max_steps"])]

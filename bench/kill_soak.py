@@ -3,14 +3,14 @@ The kill soak: a 2-rank run under a layout whose checkpoints are written in part
 shared folder or on a disk per node, killed with SIGKILL again and again (rank 0, rank 1, or both; some in the middle of
 a .dcp save) and resumed each time with --resume, until it finishes. Its final weights' digest must equal the
 uninterrupted run's, and no folder named model_*.dcp may ever lack a piece it should hold: on a shared folder every
-piece; on a node's disk, its own rank's and the next node's (plumbing/node_disks.py).
+piece; on a node's disk, its own rank's and the next node's (parallel/node_disks.py).
 
     python bench/kill_soak.py                                   # 10 kills for each layout and kind of folder
     python bench/kill_soak.py --kills 2 --cases full/disks,pp2/shared,tp2/disks
 
 A case is LAYOUT/FOLDER: LAYOUT full, pp2 or tp2; FOLDER shared, or disks (each rank's --log_dir a folder only it sees:
-a private mount, which needs root). A kill comes after the launch's first step line, at a random moment, or (every
-other one) once a .dcp save has begun (its model_*.dcp.tmp folder appears), 0-20 ms later. A run that finishes before
+a private mount, which needs root). A kill comes after the launch's first step line: once a .dcp save has begun (its
+model_*.dcp.tmp folder appears), 0-20 ms later, and every other one at a random moment. A run that finishes before
 its kill is checked too, and the case goes on from a fresh folder until it has had its kills. A line a kill; a table at
 the end; exit code 1 if any digest differs or any folder lacked a piece.
 """
@@ -29,7 +29,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from plumbing import node_disks  # noqa: E402
+from parallel import node_disks  # noqa: E402
 
 LAYOUTS = {"full": ["--shard", "full"], "pp2": ["--pp", "2"], "tp2": ["--tp", "2"]}
 RANKS = 2
@@ -134,7 +134,7 @@ def soak(data, layout, disks, kills, steps, want, work, rng):
         procs = start(run_flags(data, f"{folder}/log", steps) + LAYOUTS[layout], folder, disks, free_port())
         seen["runs"] += 1
         if seen["kills"] < kills:
-            in_save = seen["kills"] % 2 == 1
+            in_save = seen["kills"] % 2 == 0  # (the first kill, and every other after it)
             wait_for(lambda: re.search(r"^step ", output(folder), re.M), procs)
             if in_save:
                 landed = wait_for(lambda: any(glob.glob(f"{w}/model_*.dcp.tmp") for w in folders(folder, disks)), procs)
@@ -177,7 +177,8 @@ def free_port():
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--cases", default="full/shared,full/disks,pp2/shared,pp2/disks,tp2/shared,tp2/disks",
                         help="LAYOUT/FOLDER,...: full, pp2 or tp2 / shared or disks")
     parser.add_argument("--kills", type=int, default=10, help="kills a case")

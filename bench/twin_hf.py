@@ -8,7 +8,7 @@ same batches in the same order, step by step, in one process (one thread by defa
     python bench/twin_hf.py --compile --stop_at 25                            # our step under torch.compile
 
 ours  train_gpt2.train_step on a train_gpt2.Run: our GPT, configure_optimizer (fused AdamW, decay on the matrices),
-      get_lr, clipping, the chunked loss of plumbing/fused_loss.py, speedups.autocast.
+      get_lr, clipping, the chunked loss of compute/fused_loss.py, speedups.autocast.
 hf    a plain loop as a transformers user writes it: GPT2LMHeadModel (export_hf.hf_config: dropout 0, the vocab padded
       like ours so the weights can be the same), logits -> F.cross_entropy in fp32, torch's AdamW with its default
       implementation (not fused), decay on all but biases and LayerNorms (the Trainer's rule), clip_grad_norm_, and
@@ -20,10 +20,10 @@ into transformers' model (its Conv1D weights transposed). Val loss: the first --
 
 Each step prints both losses, both gradient norms and the largest weight difference (with its tensor). What rounding
 explains is measured, not guessed: with bf16, our loop also runs in fp32 from the same weights (the yardstick), and the
-bf16 twins part where their weights differ (RMS over all weights) by more than PART_FACTOR times what bf16 rounding alone
-made of ours (our bf16 run against our fp32 run); with --dtype both, the fp32 twins' gap is printed beside it. The fp32
-twins part where their weights differ by more than FP32_PART of the weights' RMS. The last line names the first step and tensor
-where the runs part, or says that they stayed within rounding.
+bf16 twins part where their weights differ (RMS over all weights) by more than PART_FACTOR times what bf16 rounding
+alone made of ours (our bf16 run against our fp32 run); with --dtype both, the fp32 twins' gap is printed beside it. The
+fp32 twins part where their weights differ by more than FP32_PART of the weights' RMS. The last line names the first
+step and tensor where the runs part, or says that they stayed within rounding.
 """
 import argparse
 import copy
@@ -37,8 +37,11 @@ import torch.nn.functional as F
 import common
 from dataloader import DataLoader, ValLoader, build_demo_shards
 from export_hf import hf_config
-from plumbing import cache_dir, cpu, speedups, world
-from train_gpt2 import CONV1D_WEIGHTS, GPT, PADDED_VOCAB_SIZE, GPTConfig, Run, train_step
+from compute import cpu, speedups
+from parallel import world
+from plumbing.common import cache_dir
+from model import CONV1D_WEIGHTS, GPT, PADDED_VOCAB_SIZE, GPTConfig
+from train_gpt2 import Run, train_step
 
 PART_FACTOR = 3.0  # bf16 twins: a gap beyond 3x what bf16 rounding alone makes of our run is no longer rounding
 FP32_PART = 1e-3  # fp32 twins: a gap beyond a thousandth of the weights' RMS (fp32 rounds at 6e-8)
@@ -109,8 +112,8 @@ class Ours:
         args = Namespace(**vars(args), shard="none", pp=1, tp=1, total_batch_size=args.batch_size * args.seq_len)
         self.run = Run(args, world.Ranks(0, 1, 0, 1, "single"), None)
         self.run.train_loader, self.run.autocast = OneBatch(), speedups.autocast(dtype, "cpu")
-        self.run.raw_model = self.model = model  # (evaluation runs the raw model, as train_gpt2.evaluate does)
-        self.run.model = speedups.compile_model(model) if args.compile else model  # as prepare_training does
+        self.run.model = self.model = model  # (evaluation runs the plain model, as train_gpt2.evaluate does)
+        self.run.train_model = speedups.compile_model(model) if args.compile else model  # as prepare_training does
         self.run.optimizer, fused = model.configure_optimizer(args.weight_decay, args.max_lr, "cpu")
         assert fused
 
@@ -197,7 +200,8 @@ def parse_args(argv=None):
                    "(the demo runs it eager, as this bench does without the flag)")
     args = p.parse_args(argv)
     if min(args.steps, args.n_layer, args.n_head, args.n_embd, args.batch_size, args.seq_len, args.threads) <= 0:
-        raise SystemExit("error: --steps, --n_layer, --n_head, --n_embd, --batch_size, --seq_len, --threads must be positive")
+        raise SystemExit("error: --steps, --n_layer, --n_head, --n_embd, --batch_size, --seq_len, --threads must be "
+                         "positive")
     if args.n_embd % args.n_head:
         raise SystemExit(f"error: --n_embd {args.n_embd} is not a multiple of --n_head {args.n_head}")
     args.min_lr = args.max_lr / 10 if args.min_lr is None else args.min_lr
@@ -231,7 +235,8 @@ def parting(step, runs, found):
     model = {name: run.model for name, run in runs.items()}
     ours = next(iter(model.values()))
     out = {}
-    summary = lambda g: (*max((v[0], k) for k, v in g.items()), overall(ours, {k: v[1] for k, v in g.items()}))  # noqa: E731
+    def summary(g):
+        return (*max((v[0], k) for k, v in g.items()), overall(ours, {k: v[1] for k, v in g.items()}))
     big = [n for n, p in ours.named_parameters() if p.numel() >= 1024]
     if "hf_fp32" in model:
         twin32 = gaps(model["ours_fp32"], model["hf_fp32"])
@@ -240,8 +245,9 @@ def parting(step, runs, found):
         out["fp32 twins"] = summary(twin32)
         if "fp32" not in found and out["fp32 twins"][2] > FP32_PART * overall(ours, scale):
             n = max(big, key=lambda n: twin32[n][1] / scale[n])
-            found["fp32"] = (step, n, f"RMS gap {out['fp32 twins'][2]:.2e} over all weights, {FP32_PART:g} of their RMS "
-                                      f"{overall(ours, scale):.3g}; {n}'s: {twin32[n][1]:.2e} of {scale[n]:.3g}")
+            found["fp32"] = (step, n, f"RMS gap {out['fp32 twins'][2]:.2e} over all weights, {FP32_PART:g} of "
+                                      f"their RMS {overall(ours, scale):.3g}; {n}'s: {twin32[n][1]:.2e} of "
+                                      f"{scale[n]:.3g}")
     if "hf_bf16" in model:
         twin16 = gaps(model["ours_bf16"], model["hf_bf16"])
         out["bf16 twins"] = summary(twin16)
@@ -250,8 +256,9 @@ def parting(step, runs, found):
             out["ours bf16-fp32"] = summary(rounding)
             if "bf16" not in found and out["bf16 twins"][2] > PART_FACTOR * out["ours bf16-fp32"][2]:
                 n = max(big, key=lambda n: twin16[n][1] / max(rounding[n][1], 1e-30))
-                found["bf16"] = (step, n, f"RMS gap {out['bf16 twins'][2]:.2e} over all weights, {PART_FACTOR:g}x bf16's "
-                                          f"own rounding (ours bf16 vs fp32: {out['ours bf16-fp32'][2]:.2e}); "
+                found["bf16"] = (step, n, f"RMS gap {out['bf16 twins'][2]:.2e} over all weights, "
+                                          f"{PART_FACTOR:g}x bf16's own rounding (ours bf16 vs fp32: "
+                                          f"{out['ours bf16-fp32'][2]:.2e}); "
                                           f"{n}'s: {twin16[n][1]:.2e} vs {rounding[n][1]:.2e}")
     return out
 
@@ -281,8 +288,9 @@ def main(argv=None):
         stats = {name: run.step(step, x, y) for name, run in runs.items()}
         dt = time.time() - t0
         line = f"step {step:4d} | lr {runs[next(iter(runs))].run.optimizer.param_groups[0]['lr']:.3e} | "
-        line += " | ".join(f"{d} loss {stats['ours_' + d][0]:.5f} {stats['hf_' + d][0]:.5f} norm {stats['ours_' + d][1]:.4f} "
-                           f"{stats['hf_' + d][1]:.4f}" for d in ("fp32", "bf16") if "hf_" + d in stats)
+        line += " | ".join(f"{d} loss {stats['ours_' + d][0]:.5f} {stats['hf_' + d][0]:.5f} "
+                           f"norm {stats['ours_' + d][1]:.4f} {stats['hf_' + d][1]:.4f}"
+                           for d in ("fp32", "bf16") if "hf_" + d in stats)
         line += "".join(f" | {k} max {v:.1e} ({n.replace('transformer.', '')}) rms {r:.2e}"
                         for k, (v, n, r) in parting(step, runs, found).items())
         print(line + f" | {dt:.1f}s", flush=True)

@@ -6,9 +6,10 @@ refused, one run per folder.
   - listing and pruning them; the log folder (log.txt and its lines, args.json) and its lock
   - atomic writes (a temporary file, then a rename) and a check of the free space beforehand
   - CRC-32 checksums of every tensor, verified when a checkpoint is loaded
-  - a sharded run's .dcp folder: named and listed here; its pieces are written and read by plumbing/parts.py
+  - a sharded run's .dcp folder: named and listed here; its pieces are written and read by parallel/parts.py
   - a big checkpoint (LOUD_BYTES) says what it writes, and then how big it was and how long it took
 """
+import fcntl
 import glob
 import json
 import os
@@ -20,39 +21,20 @@ import zlib
 
 import torch
 
-from plumbing import one_line
+from plumbing.common import atomic_write, one_line
 from plumbing.progress import QUIET_S, duration
-
-def atomic_write(path, write, tmp=None):
-    """write(f) to a temporary file (path.tmp, or tmp: ranks on one host writing the same file each need their own),
-    flushed to the disk, then renamed to path. The rename is atomic, so path is either the old file or the complete new
-    one, never a half-written one, even after kill -9 or a power cut. A failed write removes the temporary file."""
-    tmp = tmp or path + ".tmp"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 # A checkpoint this big (GPT-2 (124M)'s weights and AdamW moments are 1.5 GB, XL's 19 GB) may take a while to write:
 # it says so before, and how long it took after (as does any write that took QUIET_S seconds). Smaller: silent.
 LOUD_BYTES = 2**30
 
-def tensor_bytes(obj):
-    """The bytes of every tensor in a nested dict/list (a checkpoint's state; a DTensor or a ShardedTensor, as tensor
-    parallel's c_attn is written: this rank's pieces)."""
-    if hasattr(obj, "local_shards"):  # (a ShardedTensor's numel() raises: it has no whole size to give)
-        return sum(tensor_bytes(shard.tensor) for shard in obj.local_shards())
+def tensor_bytes(obj, bytes_of=None):
+    """The bytes of every tensor in a nested dict/list (a checkpoint's state). bytes_of(tensor): a tensor's bytes here
+    (parallel.sizes.local_bytes: a sharded one's pieces on this rank); default all of it."""
     if isinstance(obj, torch.Tensor):
-        t = obj.to_local() if hasattr(obj, "to_local") else obj
-        return t.numel() * t.element_size()
+        return bytes_of(obj) if bytes_of else obj.numel() * obj.element_size()
     items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    return sum(tensor_bytes(v) for v in items)
+    return sum(tensor_bytes(v, bytes_of) for v in items)
 
 def folder_bytes(path):
     """A file's size, or all the files' in a folder (a .dcp)."""
@@ -146,7 +128,8 @@ def load_checkpoint(path, weights=True):
                           mmap=not sharded)
     except Exception as e:
         raise SystemExit(f"error: cannot load checkpoint {path}: {one_line(e)}")
-    ckpt.update(sharded_path=path if sharded else None, path=path, unchecked=set() if weights else {"model", "optimizer"})
+    ckpt.update(sharded_path=path if sharded else None, path=path,
+                unchecked=set() if weights else {"model", "optimizer"})
     verify_checksums({k: v for k, v in ckpt.items() if k not in ("checksums", *ckpt["unchecked"])},
                      ckpt.get("checksums", {}), path)
     return ckpt
@@ -168,7 +151,8 @@ def checked(ckpt, part, name):
 def remove_unfinished(folder):
     """What a run killed while writing left here: model_*.tmp (a .pt, or a .dcp folder, being written) and *.tmp
     inside a .dcp folder (a piece being received). Called by the folder's keeper, holding its lock."""
-    for path in glob.glob(os.path.join(folder, "model_*.tmp")) + glob.glob(os.path.join(folder, "model_*.dcp", "*.tmp")):
+    for path in (glob.glob(os.path.join(folder, "model_*.tmp"))
+                 + glob.glob(os.path.join(folder, "model_*.dcp", "*.tmp"))):
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 def tensor_checksums(obj, prefix=""):
@@ -192,7 +176,6 @@ def verify_checksums(obj, expected, path):
 def lock_folder(folder):
     """One writer per log folder: an advisory lock, held until this process ends (kill -9 included).
     Returns the open lock file, which must stay referenced for as long as the lock is wanted."""
-    import fcntl
     lock_path = os.path.join(folder, "lock")
     try:
         os.makedirs(folder, exist_ok=True)

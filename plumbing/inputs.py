@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from plumbing import cache_dir, one_line, read_json, write_json
+from plumbing.common import cache_dir, one_line, read_json, write_json
 
 def find_shards(data_dir, split):  # fineweb.py names them edu_fineweb_{train,val}_NNNNNN.npy
     return sorted(f for f in glob.glob(os.path.join(data_dir, "*.npy")) if split in os.path.basename(f))
@@ -20,7 +20,8 @@ def open_shard(path):
     except Exception as e:
         raise SystemExit(f"error: cannot read shard {path}: {one_line(e)}")
     if tokens.dtype != np.uint16 or tokens.ndim != 1:
-        raise SystemExit(f"error: shard {path} holds {tokens.dtype} of shape {tokens.shape}, expected a 1-D uint16 array")
+        raise SystemExit(f"error: shard {path} holds {tokens.dtype} of shape {tokens.shape}, "
+                         "expected a 1-D uint16 array")
     if len(tokens) == 0:
         raise SystemExit(f"error: shard {path} is empty")
     return tokens
@@ -61,10 +62,12 @@ def pretrained_files(name_or_path, hub_names):
     (not in the hub's cache yet) is announced with its size first; huggingface_hub shows its progress."""
     names = ("config.json", "model.safetensors")
     if name_or_path in hub_names:
-        from huggingface_hub import hf_hub_download, try_to_load_from_cache  # honours HF_HOME, HF_HUB_OFFLINE, HF_ENDPOINT
+        # honours HF_HOME, HF_HUB_OFFLINE, HF_ENDPOINT
+        from huggingface_hub import hf_hub_download, try_to_load_from_cache
         if not isinstance(try_to_load_from_cache("openai-community/" + name_or_path, names[1]), str):
             print(f"downloading openai-community/{name_or_path}'s weights from the Hugging Face hub "
-                  f"({HUB_SIZES.get(name_or_path, 'size unknown')}), once: then they are read from its cache", flush=True)
+                  f"({HUB_SIZES.get(name_or_path, 'size unknown')}), once: then they are read from its cache",
+                  flush=True)
         try:
             config_file, weights_file = (hf_hub_download("openai-community/" + name_or_path, f) for f in names)
         except Exception as e:
@@ -74,34 +77,9 @@ def pretrained_files(name_or_path, hub_names):
         config_file, weights_file = (os.path.join(name_or_path, f) for f in names)
         for f in (config_file, weights_file):
             if not os.path.isfile(f):
-                raise SystemExit(f"error: {f} not found: a pretrained directory needs config.json and model.safetensors")
+                raise SystemExit(f"error: {f} not found: a pretrained directory needs config.json and "
+                                 "model.safetensors")
     else:
         raise SystemExit(f"error: --init_from {name_or_path!r} is neither one of {', '.join(hub_names)} "
                          "nor a directory holding config.json and model.safetensors")
     return config_file, weights_file
-
-def copy_pretrained_weights(weights_file, params, transposed):
-    """Fill params ({name: parameter}, sharded or not) from a safetensors file in the Hugging Face layout,
-    one tensor at a time; weights whose names end with one of `transposed` are stored (in, out): OpenAI's
-    'Conv1D'. save_pretrained() writes 'transformer.h.0...', OpenAI's upload has no prefix; the attention
-    'bias' buffers there are causal masks, not weights, so they are not read. Shapes are checked first."""
-    from safetensors import safe_open
-
-    from plumbing.sharding import copy_weight
-    try:
-        with safe_open(weights_file, framework="pt") as f:
-            theirs = {"transformer." + k.removeprefix("transformer."): k for k in f.keys()}
-            if "transformer.wte.weight" in theirs:  # lm_head is wte (tied): a pipeline's last stage holds it as lm_head's
-                theirs.setdefault("lm_head.weight", theirs["transformer.wte.weight"])
-            missing = [k for k in params if k not in theirs]
-            if missing:
-                raise SystemExit(f"error: {weights_file} lacks {len(missing)} GPT-2 tensors, e.g. {missing[0]}")
-            for k, p in params.items():
-                shape = f.get_slice(theirs[k]).get_shape()[::-1 if k.endswith(transposed) else 1]
-                if tuple(shape) != tuple(p.shape):
-                    raise SystemExit(f"error: {weights_file}: {k} has shape {tuple(shape)}, expected {tuple(p.shape)}")
-            for k, p in params.items():
-                w = f.get_tensor(theirs[k])
-                copy_weight(p, w.t() if k.endswith(transposed) else w)
-    except Exception as e:
-        raise SystemExit(f"error: cannot read {weights_file}: {one_line(e)}")

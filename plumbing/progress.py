@@ -10,10 +10,22 @@ How long: every long phase of a run says how far it is and when it will end.
 
 Only rank 0 shows them (the trainer passes ranks.print0, or enabled=ranks.master).
 """
+import os
 import sys
 import time
 
-STARTED = time.time()  # about when the process started (the trainer imports plumbing first thing)
+def process_start():
+    """When this process started (Linux's /proc), else now (the trainer imports this module first thing)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return min(time.time(), boot + ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+STARTED = process_start()  # the step lines' elapsed time and --hours' budget count the whole process
 QUIET_S = 10  # a pass shorter than this prints no progress lines: a tiny eval needs none
 DAY = 86400
 

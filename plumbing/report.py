@@ -14,7 +14,7 @@ seconds, and the sum of those is the time spent training. N (tokens a step) is i
 
 Headless: matplotlib's Agg renderer draws into a Figure object, without pyplot, so no window and no
 display are ever needed (a cloud VM has none). Each file is written whole to a temporary file, then
-renamed (checkpoints.atomic_write): someone looking at report.png never sees half of one.
+renamed (common.atomic_write): someone looking at report.png never sees half of one.
 """
 import json
 import os
@@ -22,6 +22,7 @@ import shlex
 import sys
 import time
 
+from plumbing.common import atomic_write
 from plumbing.progress import STARTED, duration
 
 EVERY_S = 60  # at an evaluation, draw only if the last drawing (or the start) is this old: drawing takes ~1 s
@@ -76,7 +77,8 @@ class Curves:
             self.hours_at[max(speed) + 1] = seconds / 3600  # the evaluation after the last step
 
     def points(self, kind, x="step"):
-        """(xs, ys) of one kind, sorted by step; x: 'step', 'tokens' or 'hours' (points with no known x are left out)."""
+        """(xs, ys) of one kind, sorted by step; x: 'step', 'tokens' or 'hours' (points with no known x are left
+        out)."""
         xs, ys = [], []
         for step, value in sorted(self.streams.get(kind, {}).items()):
             at = {"step": step, "tokens": step * (self.tokens_per_step or 1), "hours": self.hours_at.get(step)}[x]
@@ -89,11 +91,12 @@ class Curves:
 # Drawing
 
 def draw(runs, path):
-    """runs (a list of Curves) into one PNG at path, a panel per kind of measurement any of them has. Returns the figure."""
+    """runs (a list of Curves) into one PNG at path, a panel per kind of measurement any of them has. Returns the
+    figure."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from plumbing.checkpoints import atomic_write  # (here: it imports torch, which plot.py never needs)
-    has = lambda *kinds: any(k in run.streams for run in runs for k in kinds)  # noqa: E731
+    def has(*kinds):
+        return any(k in run.streams for run in runs for k in kinds)
     panels = ["tokens", "hours"] * has("train", "val") + ["accuracy"] * has("hella", "task") + ["speed"] * has("tok/s")
     panels = panels or ["tokens"]
     fig = Figure(figsize=(5.5 * len(panels), 4.2))
@@ -145,7 +148,6 @@ def update(run, evaluated=False, final=False):
         curves = Curves(log_dir)
     except SystemExit:
         return  # nothing logged yet
-    from plumbing.checkpoints import atomic_write
     try:
         draw([curves], os.path.join(log_dir, "report.png"))
         text = summary(run, curves)
@@ -156,21 +158,21 @@ def update(run, evaluated=False, final=False):
 
 def summary(run, curves):
     """report.md's text: what was run, where, on what, how long, and what it reached."""
-    from plumbing import cpu
-    args, model, s = run.args, run.raw_model, curves.streams
+    args, model, s = run.args, run.model, curves.streams
     n_params = sum(p.numel() for p in model.parameters())
     config = model.config
-    last = lambda kind: max(s[kind].items()) if s.get(kind) else None  # noqa: E731  (step, value) of the last
+    def last(kind):  # (step, value) of the last of its lines, or None
+        return max(s[kind].items()) if s.get(kind) else None
     lines = [f"# Run report: {args.log_dir}", "", "![loss, accuracy and speed](report.png)", "",
              f"- command: `python train_gpt2.py {shlex.join(sys.argv[1:])}`",
-             f"- {cpu.describe_cpu(__import__('torch').get_num_threads())}",
+             f"- {run.cpu_line}",
              f"- model: {n_params / 1e6:.2f}M parameters, {config.n_layer} layers x {config.n_embd} wide, "
              f"{config.n_head} heads, context {config.block_size}",
              f"- dtype: {run.dtype}",
              f"- elapsed: {duration(time.time() - STARTED)} (the whole process so far)"]
     if last("train"):
         step = last("train")[0] + 1
-        lines.append(f"- steps: {step} of {args.max_steps}, {step * args.total_batch_size:,} tokens")
+        lines.append(f"- steps: {step} of {run.max_steps}, {step * args.total_batch_size:,} tokens")
         lines.append(f"- final train loss: {last('train')[1]:.4f} (step {last('train')[0]})")
     for kind, name in (("val", "val loss"), ("hella", "HellaSwag acc_norm"), ("task", "task accuracy")):
         if last(kind):

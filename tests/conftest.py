@@ -104,13 +104,34 @@ def run_train(args, launcher=(), check=True, env=None, timeout=600, cwd=None):
 
 
 def stopped_after_step_3(run_dir, copy):
-    """A copy of a finished run's folder as if it had stopped after its first checkpoint (step 3): later ones removed."""
-    import shutil
-    import train_gpt2
+    """A copy of a finished run's folder as if it had stopped after its first checkpoint (step 3): later ones
+    removed."""
+    from plumbing import checkpoints
     shutil.copytree(run_dir, copy)
-    for f in train_gpt2.list_checkpoints(str(copy))[1:]:
+    for f in checkpoints.list_checkpoints(str(copy))[1:]:
         shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)  # (a .dcp is a folder)
     return copy
+
+
+def checkpoint_val(log_dir, step):
+    """The full-precision val loss stored in a checkpoint (log.txt rounds it to 4 decimals); a sharded
+    run's checkpoint is a folder (model_XXXXX.dcp)."""
+    from plumbing import checkpoints
+    path = next(f for f in checkpoints.list_checkpoints(str(log_dir)) if checkpoints.checkpoint_step(f) == step)
+    return checkpoints.load_checkpoint(path)["val_loss"]
+
+
+def assert_same_run(ref_dir, dist_dir, tol=1e-5):
+    """Two 6-step runs (the REFERENCE flags, checkpoints at 3 and 6) trained alike: their train losses within tol,
+    their val lines equal and their checkpoints' val losses within tol. Returns the largest train loss difference."""
+    ref, got = read_log(ref_dir, "train"), read_log(dist_dir, "train")
+    assert sorted(got) == sorted(ref) == list(range(6))
+    worst = max(abs(ref[s] - got[s]) for s in ref)
+    assert worst <= tol, f"train losses differ by {worst:.2e}: {ref} vs {got}"
+    assert read_log(ref_dir, "val") == read_log(dist_dir, "val")
+    for step in (3, 6):
+        assert abs(checkpoint_val(ref_dir, step) - checkpoint_val(dist_dir, step)) <= tol
+    return worst
 
 
 def read_log(log_dir, kind):
@@ -126,8 +147,9 @@ def read_log(log_dir, kind):
 
 def final_weights(log_dir):
     """A run's final weights, from its last checkpoint (one file, or a sharded folder: load_model reads either)."""
-    import train_gpt2
-    return train_gpt2.load_model(train_gpt2.list_checkpoints(str(log_dir))[-1])[0].state_dict()
+    from model import load_model
+    from plumbing import checkpoints
+    return load_model(checkpoints.list_checkpoints(str(log_dir))[-1])[0].state_dict()
 
 
 def final_weights_diff(log_a, log_b):
@@ -137,7 +159,8 @@ def final_weights_diff(log_a, log_b):
 
 
 # Several processes at once: launchers, ranks started by hand. Every test that runs more than one process that
-# computes (or loads the CPU on purpose) is marked @pytest.mark.xdist_group("multiprocess") (docs/tests.md).
+# computes (or loads the CPU on purpose) is in the xdist group "multiprocess" or "multiprocess-2", whichever its file
+# is in (docs/tests.md).
 
 LIMIT = 300  # seconds any one launched run may take before it counts as hung (a run takes 10-30)
 
@@ -229,27 +252,83 @@ def start_ranks(args, world_size, outputs=None, disks=None):
     return procs
 
 
-def run_ranks(args, world_size, disks=None, check=True):
-    """start_ranks, waited for (killed after LIMIT seconds): rank 0's output (rank 0 alone speaks), every rank's
-    stderr, and the worst exit code, as a CompletedProcess."""
-    procs = start_ranks(args, world_size, disks=disks)
+def outputs_of(procs):
+    """Each process's (stdout, stderr), once every one has ended; those still running after LIMIT seconds are
+    killed (and the wait raises TimeoutExpired)."""
     try:
-        outputs = [p.communicate(timeout=LIMIT) for p in procs]
+        return [p.communicate(timeout=LIMIT) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def run_ranks(args, world_size, disks=None, check=True):
+    """start_ranks, waited for (killed after LIMIT seconds): rank 0's output (rank 0 alone speaks), every rank's
+    stderr, and the worst exit code, as a CompletedProcess."""
+    procs = start_ranks(args, world_size, disks=disks)
+    outputs = outputs_of(procs)
     rc = max((p.returncode for p in procs), key=abs)
     done = subprocess.CompletedProcess(procs[0].args, rc, outputs[0][0], "".join(err for _, err in outputs))
     if check and rc != 0:
-        raise AssertionError(f"{world_size} ranks of {' '.join(map(str, args))} failed ({rc}):\n{done.stdout}\n{done.stderr}")
+        command = " ".join(map(str, args))
+        raise AssertionError(f"{world_size} ranks of {command} failed ({rc}):\n{done.stdout}\n{done.stderr}")
     return done
 
 
 @pytest.fixture
 def shards(tmp_path):
     return make_shards(tmp_path / "data")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Tiny token shards, made once a test module."""
+    return make_shards(tmp_path_factory.mktemp("data") / "data")
+
+
+@pytest.fixture(scope="module")
+def single(data, tmp_path_factory, request):
+    """One process's run of tiny_run_args and the test module's REFERENCE flags: the run the layouts are compared
+    with. (its --log_dir, its CompletedProcess)"""
+    log_dir = tmp_path_factory.mktemp("single") / "log"
+    flags = getattr(request.module, "REFERENCE", [])
+    return log_dir, run_train(tiny_run_args(data, log_dir, *flags), env=clean_env(), timeout=LIMIT)
+
+
+def refused(data, world_size, *flags):
+    """The one error line check_args gives these flags on world_size ranks (train_args.py: before any work)."""
+    from train_args import build_parser, check_args
+    args = build_parser().parse_args(["--data_dir", str(data), *flags])
+    with pytest.raises(SystemExit) as e:
+        check_args(args, world_size)
+    return str(e.value)
+
+
+def assert_resumes_across(layout_dir, single_dir, tmp_path, flags, says, one_flags=()):
+    """A layout's checkpoint (step 3 of layout_dir, a 2-rank run of `flags`) resumes on one process, and one
+    process's resumes under the layout (its plan line starts with `says`), each continuing the uninterrupted run
+    (single_dir) within 1e-5."""
+    to_one = stopped_after_step_3(layout_dir, tmp_path / "to_one")
+    proc = run_train(["--resume", "--log_dir", to_one, *one_flags], env=clean_env(), timeout=LIMIT)
+    assert "model_00003.dcp at step 3" in proc.stdout and says.split(":")[0] + ":" not in proc.stdout
+    assert_same_run(single_dir, to_one)
+    assert final_weights_diff(single_dir, to_one) <= 1e-5
+    to_layout = stopped_after_step_3(single_dir, tmp_path / "to_layout")
+    proc = run_launched(["--resume", "--log_dir", to_layout, *flags], torchrun(2), clean_env())
+    assert "model_00003.pt at step 3" in proc.stdout and says in proc.stdout
+    assert_same_run(single_dir, to_layout)
+    assert final_weights_diff(single_dir, to_layout) <= 1e-5
+
+
+def run_rank_script(script, world_size):
+    """A rank script (RECORDING_RANK's start, say) under torchrun on world_size ranks, its first argument the
+    repository; it must succeed. Returns the CompletedProcess."""
+    proc = subprocess.run([*torchrun(world_size), str(script), REPO], capture_output=True, text=True, env=clean_env(),
+                          cwd=REPO, timeout=LIMIT)
+    assert proc.returncode == 0, proc.stderr
+    return proc
 
 
 @pytest.fixture(scope="module")
@@ -265,8 +344,9 @@ def one_thread():
 
 def hellaswag_example(ind, activity, ctx_a, ctx_b, label, endings, split_type="indomain"):
     """One HellaSwag example with all the keys of the official jsonl, as in its val split."""
-    return {"ind": ind, "activity_label": activity, "ctx_a": ctx_a, "ctx_b": ctx_b, "ctx": f"{ctx_a} {ctx_b}".strip(),
-            "split": "val", "split_type": split_type, "label": label, "endings": endings, "source_id": f"handmade~{ind}"}
+    return {"ind": ind, "activity_label": activity, "ctx_a": ctx_a, "ctx_b": ctx_b,
+            "ctx": f"{ctx_a} {ctx_b}".strip(), "split": "val", "split_type": split_type, "label": label,
+            "endings": endings, "source_id": f"handmade~{ind}"}
 
 
 # Hand-made examples in the official format (our own text). Endings of very different lengths make
@@ -309,7 +389,7 @@ def varied_model(block_size=48):
     """A random tiny GPT whose greedy continuations do not just repeat one token: embeddings and
     weights larger than the training init (which makes near-uniform logits and loops)."""
     import torch
-    from train_gpt2 import GPT, GPTConfig
+    from model import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=block_size, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)).eval()
     with torch.no_grad():
@@ -351,10 +431,12 @@ def say_eot_at(model, ids, k):
 # Fine-tuned checkpoints made by hand: a task.json dict, and the checkpoint that carries it
 
 def task_of(fmt, templates=None, block_size=64):
-    """A task.json dict as finetune.py writes it (the fields answer.py and sample.py read, and the counts around them)."""
+    """A task.json dict as finetune.py writes it (the fields answer.py and sample.py read, and the counts around
+    them)."""
     import tasks
-    return {"kind": "task", "version": 1, "format": fmt, "formats": {fmt: 20}, "templates": templates or tasks.TEMPLATES,
-            "train_on": "completion", "max_len": block_size, "answer_regex": None}
+    return {"kind": "task", "version": 1, "format": fmt, "formats": {fmt: 20},
+            "templates": templates or tasks.TEMPLATES, "train_on": "completion", "max_len": block_size,
+            "answer_regex": None}
 
 
 def save_task_checkpoint(path, model, task):

@@ -17,7 +17,8 @@ import dataloader
 import finetune
 import tasks
 import tokenizer
-import train_gpt2
+from plumbing import checkpoints
+from model import load_model
 from conftest import (REPO, TINY_MODEL, checkpoints_of_each_kind, greedy_reference, record_prompts, run_train,
                       save_random_hf_gpt2, save_task_checkpoint, say_eot_at, task_of, varied_model)
 from test_finetune import prepare, write_jsonl
@@ -76,8 +77,8 @@ def eot_instead_of(model, token):
 
 def test_answers_equal_answer_one_prompt_at_a_time():
     """Prompts from 1 to 60 tokens (context 48), each with its own max_new_tokens, in batches of 4 and all in one:
-    every answer is the one-prompt answer's and the no-cache loop's, in the order given; the rows stop at <|endoftext|> at
-    known steps, at their max_new_tokens, at the context's end, or have no room at all."""
+    every answer is the one-prompt answer's and the no-cache loop's, in the order given; the rows stop at <|endoftext|>
+    at known steps, at their max_new_tokens, at the context's end, or have no room at all."""
     model = varied_model()
     with torch.no_grad():  # the hidden state's dimension 0: 1 everywhere, for eot_instead_of
         model.transformer.ln_f.weight[0], model.transformer.ln_f.bias[0] = 0.0, 1.0
@@ -135,7 +136,7 @@ def test_answers_batches_prompts_of_similar_lengths():
 # task accuracy: greedy answers, scored
 
 def tiny_model(seed=0, block_size=64):
-    from train_gpt2 import GPT, GPTConfig
+    from model import GPT, GPTConfig
     torch.manual_seed(seed)
     return GPT(GPTConfig(block_size=block_size, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)).eval()
 
@@ -162,7 +163,8 @@ def test_task_accuracy_against_a_plain_greedy_loop():
     assert answer.task_accuracy(model, examples, max_new_tokens=5, n=2)[0] == 1 / 2
     # the regex's first group on both sides: the odd ones now match too, the even ones still do
     first_word = r"^\s*(\S+)"
-    assert all(r[2].split() for r in results)   # (this seed's answers each have a first word: the regex has one to find)
+    # (this seed's answers each have a first word: the regex has one to find)
+    assert all(r[2].split() for r in results)
     assert answer.task_accuracy(model, examples, max_new_tokens=5, answer_regex=first_word)[0] == 1.0
     # no match in the answer: wrong
     assert answer.task_accuracy(model, examples, max_new_tokens=5, answer_regex=r"(zzz\d+)")[0] == 0.0
@@ -207,7 +209,7 @@ import os, sys, torch
 sys.path.insert(0, {repo!r}); sys.path.insert(0, {tests!r})
 torch.set_num_threads(1)
 import answer, test_answer
-from plumbing import world
+from parallel import world
 rank = int(sys.argv[1])
 torch.distributed.init_process_group("gloo", init_method="file://" + {store!r}, rank=rank, world_size=2)
 ranks = world.Ranks(rank=rank, world_size=2, local_rank=rank, local_world=2, launcher="test")
@@ -220,7 +222,7 @@ torch.distributed.destroy_process_group()
 """
 
 
-@pytest.mark.xdist_group("multiprocess")
+@pytest.mark.xdist_group("multiprocess-2")
 def test_task_accuracy_on_two_ranks_splits_the_examples_and_sums_the_counts(tmp_path):
     script = tmp_path / "ranks.py"
     script.write_text(RANK_SCRIPT.format(repo=REPO, tests=os.path.dirname(os.path.abspath(__file__)),
@@ -240,16 +242,18 @@ def test_task_accuracy_on_two_ranks_splits_the_examples_and_sums_the_counts(tmp_
 
 
 def test_scoring_a_hugging_face_layout_model(tmp_path, capsys):
-    """answer.py --input on a random GPT-2 saved by transformers: it loads, renders with the folder's task.json templates,
-    answers, and prints the accuracy and examples, agreeing with the plain greedy loop on the same weights."""
-    import train_gpt2
+    """answer.py --input on a random GPT-2 saved by transformers: it loads, renders with the folder's task.json
+    templates, answers, and prints the accuracy and examples, agreeing with the plain greedy loop on the same
+    weights."""
+    from model import load_model
     folder = tmp_path / "hf"
     save_random_hf_gpt2(folder, n_head=2, n_embd=32, n_positions=64)
-    templates = {**tasks.TEMPLATES, "alpaca": {"input": "Do {instruction} with {input}:", "no_input": "Do {instruction}:"}}
+    templates = {**tasks.TEMPLATES,
+                 "alpaca": {"input": "Do {instruction} with {input}:", "no_input": "Do {instruction}:"}}
     (folder / "task.json").write_text(json.dumps({"kind": "task", "version": 1, "format": "alpaca",
                                                   "formats": {"alpaca": 1}, "templates": templates,
                                                   "answer_regex": None}))
-    model = train_gpt2.load_model(str(folder))[0].eval()
+    model = load_model(str(folder))[0].eval()
     greedy = decode(greedy_reference(model, enc("Do sums:"), 6))
     rows = [{"instruction": "sums", "output": greedy + "\n"}, {"instruction": "more", "input": "x", "output": "no"},
             {"prompt": "", "completion": "bad line"}]
@@ -388,14 +392,14 @@ def test_a_real_fine_tuning_run(capsys, monkeypatch, tmp_path):
     run_train(["--data_dir", tmp_path / "task", "--log_dir", tmp_path / "log", *TINY_MODEL, "--seq_len", "64",
                "--max_steps", "2", "--warmup_steps", "1", "--max_lr", "1e-3", "--eval_interval", "0",
                "--checkpoint_interval", "2", "--task_examples", "2", "--dtype", "fp32", "--threads", "1"])
-    ckpt = train_gpt2.list_checkpoints(str(tmp_path / "log"))[-1]
-    assert train_gpt2.load_checkpoint(ckpt)["task"] == dataloader.read_task(str(tmp_path / "task"))
+    ckpt = checkpoints.list_checkpoints(str(tmp_path / "log"))[-1]
+    assert checkpoints.load_checkpoint(ckpt)["task"] == dataloader.read_task(str(tmp_path / "task"))
 
     turns = ["What colour is the sky?", "And the grass?"]
     seen = record_prompts(monkeypatch, answer, "stream_answer")
     out = run_main(capsys, monkeypatch, "--ckpt_path", ckpt, "--chat", "--top_k", 1, "--max_new_tokens", 8,
                    stdin="\n".join(turns) + "\n")
-    model, prompts, expected, exchanges = train_gpt2.load_model(ckpt)[0].eval(), [], "", []
+    model, prompts, expected, exchanges = load_model(ckpt)[0].eval(), [], "", []
     for user in turns:
         prompts.append(chat_prompt(None, exchanges, user))
         reply_ids = greedy_reference(model, prompts[-1], 8)

@@ -1,9 +1,10 @@
-"""plumbing/attention.py: our causal attention kernel (attention.cpp, CPUs with AMX or with AVX512-BF16: oneDNN's bf16
+"""compute/attention.py: our causal attention kernel (attention.cpp, CPUs with AMX or with AVX512-BF16: oneDNN's bf16
 brgemm runs on either) computes what F.scaled_dot_product_attention does, as closely as it does (both against an fp64
 reference), forward and backward, at GPT-2's head size, through torch.compile too; and the run picks the faster of the
 two by measuring both.
 
-Without either the kernel cannot run: those tests skip, saying so, and the choice is PyTorch's (tested here everywhere)."""
+Without either the kernel cannot run: those tests skip, saying so, and the choice is PyTorch's
+(tested here everywhere)."""
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from plumbing import attention
+from compute import attention
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,7 +53,7 @@ def test_the_kernel_declines_where_onednn_has_no_bf16_brgemm():
     """Held to AVX-512 without BF16 (ONEDNN_MAX_CPU_ISA=AVX512_CORE: a Skylake Xeon's), oneDNN cannot make a bf16
     brgemm kernel: attention_available() tries one and says no (it raised oneDNN's error, once), and the run keeps
     PyTorch's attention."""
-    code = "from plumbing import attention; print(attention.kernel(), attention.choose('bf16', 1, 2, 64, 64))"
+    code = "from compute import attention; print(attention.kernel(), attention.choose('bf16', 1, 2, 64, 64))"
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"})
     assert run.returncode == 0, run.stderr
@@ -72,7 +73,10 @@ def test_the_kernel_is_as_close_to_fp64_as_sdpa(B, H, T, D):
     of 32 values, the kernel's condition, too (96 with T 5: the zero rows past T are read D values at a time)."""
     q, k, v = qkv_views(B, H, T, D)
     grad = torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
     ours = forward_backward(attention.causal_attention, q, k, v, grad)
     theirs = forward_backward(sdpa, q, k, v, grad)
     exact = forward_backward(sdpa, *[t.detach().double().requires_grad_() for t in (q, k, v)], grad.double())
@@ -88,9 +92,9 @@ def test_the_kernel_trains_a_model_like_sdpa_eager_and_compiled(monkeypatch):
     """One bf16 step of a GPT (2 layers, 128 wide, heads of 64) with the kernel chosen and with SDPA: the same loss and
     gradients up to bf16 rounding; compiled, the kernel gives what it gives eagerly (its fake shapes and gradient
     formula are what torch.compile traces)."""
-    import train_gpt2
+    from model import GPTConfig, GPT
     torch.manual_seed(0)
-    model = train_gpt2.GPT(train_gpt2.GPTConfig(block_size=256, vocab_size=512, n_layer=2, n_head=2, n_embd=128))
+    model = GPT(GPTConfig(block_size=256, vocab_size=512, n_layer=2, n_head=2, n_embd=128))
     x, y = torch.randint(0, 512, (2, 256)), torch.randint(0, 512, (2, 256))
 
     def step(m, use_kernel):
@@ -144,13 +148,15 @@ def test_the_choice_is_measured_and_said(monkeypatch):
 def test_bench_attention_times_both_ways():
     """bench/bench_attention.py, tiny: both ways in turns, then forward and backward GFLOP/s of each and their ratio."""
     run = subprocess.run([sys.executable, "bench/bench_attention.py", "--batch_size", "1", "--n_head", "2", "--seq_len",
-                          "128", "--turns", "2", "--threads", "1"], cwd=REPO, capture_output=True, text=True, timeout=600)
+                          "128", "--turns", "2", "--threads", "1"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     assert lines[0].startswith("cpu: ") and f"bf16 units for brgemm: {attention.bf16_units()}" in lines[0]
     assert sum(line.startswith("turn ") for line in lines) == 2
     for name in ("forward ", "backward"):
-        assert any(line.startswith(f"{name}: sdpa ") and "x sdpa (median of 2 per-turn ratios" in line for line in lines)
+        assert any(line.startswith(f"{name}: sdpa ") and "x sdpa (median of 2 per-turn ratios" in line
+                   for line in lines)
     assert lines[-1].startswith("forward + backward: ours is ")
 
 
@@ -163,10 +169,11 @@ def test_a_killed_build_leaves_no_lock_that_stops_the_next_run(tmp_path):
         pytest.skip(f"no kernel here: {attention.why_not}")
     build = attention.build_dir()
     cache = tmp_path / "cache"
-    copy = cache / os.path.relpath(build, os.path.dirname(attention.cache_dir()))  # (cache_dir: $XDG_CACHE_HOME/gpt2-cpu)
+    # (cache_dir: $XDG_CACHE_HOME/gpt2-cpu)
+    copy = cache / os.path.relpath(build, os.path.dirname(attention.cache_dir()))
     shutil.copytree(build, copy)  # (copy2: the times ninja compares kept)
     (copy / "lock").touch()
-    code = "from plumbing import attention; print(attention.kernel(), attention.build_dir())"
+    code = "from compute import attention; print(attention.kernel(), attention.build_dir())"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, XDG_CACHE_HOME=str(cache)))
     assert proc.returncode == 0, proc.stderr

@@ -12,10 +12,10 @@ from conftest import REPO
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
 import bench_finetune  # noqa: E402
-from plumbing import cpu  # noqa: E402
+from compute import cpu  # noqa: E402
 import dataloader  # noqa: E402
 from dataloader import TaskLoader  # noqa: E402
-from train_gpt2 import GPT, GPTConfig  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -26,7 +26,8 @@ def test_flops_of_whole_rows_are_bench_train_s():
     assert ours == cpu.flops_per_token(n_params, n_layer, n_embd, T) * B * T
     # a packed row of two examples: attention only inside each, lm_head only on the picked positions
     packed = bench_finetune.step_flops(n_params, 50304 * n_embd, n_layer, n_embd, T, 100, [600, 424])
-    assert packed == 6 * (n_params - 50304 * n_embd) * T + 6 * 50304 * n_embd * 100 + 12 * n_layer * n_embd * (600**2 + 424**2)
+    assert packed == (6 * (n_params - 50304 * n_embd) * T + 6 * 50304 * n_embd * 100
+                      + 12 * n_layer * n_embd * (600**2 + 424**2))
 
 
 def test_padded_batch_is_the_packed_rows_examples_with_the_same_loss(tmp_path):
@@ -38,14 +39,16 @@ def test_padded_batch_is_the_packed_rows_examples_with_the_same_loss(tmp_path):
     order = bench_finetune.example_order(tmp_path, 2, 64)
     assert order[:sum(map(len, rows))] == [i for row in rows for i in row]  # the same examples, in the same order
     x, y, packed = loader.batch(rows)
-    ids, mask, labels = bench_finetune.padded_batch(*dataloader.open_split(tmp_path, "train"), [i for r in rows for i in r])
+    ids, mask, labels = bench_finetune.padded_batch(*dataloader.open_split(tmp_path, "train"),
+                                                    [i for r in rows for i in r])
     assert mask.sum(1).tolist() == [loader.lengths[i] + 1 for r in rows for i in r]  # each example's tokens, unpadded
     assert labels[:, 1:][labels[:, 1:] != -100].tolist() == y[y != -100].tolist()  # the same targets, in order
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=2, n_embd=32))
     hf_cfg = {k: v for k, v in export_hf.hf_config(model.config).items() if k not in ("architectures", "torch_dtype")}
     hf = GPT2LMHeadModel(GPT2Config(**{**hf_cfg, "vocab_size": 50304})).eval()
-    hf.load_state_dict({**export_hf.hf_weights(model), "transformer.wte.weight": model.transformer.wte.weight}, strict=False)
+    hf.load_state_dict({**export_hf.hf_weights(model), "transformer.wte.weight": model.transformer.wte.weight},
+                       strict=False)
     with torch.no_grad():
         theirs = hf(input_ids=ids, attention_mask=mask, labels=labels).loss
         _, ours = model(x, y, packed=packed)

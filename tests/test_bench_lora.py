@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(REPO, "bench"))
 import compare_hf_lora  # noqa: E402
 import export_hf  # noqa: E402
 import lora  # noqa: E402
-from train_gpt2 import GPT, GPTConfig  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -23,19 +23,22 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def base(tmp_path):
     """A random tiny GPT exported as a Hugging Face folder: the base both sides load."""
     torch.manual_seed(0)
-    export_hf.export(GPT(GPTConfig(block_size=64, vocab_size=50304, n_layer=1, n_head=2, n_embd=32)), str(tmp_path / "base"))
+    export_hf.export(GPT(GPTConfig(block_size=64, vocab_size=50304, n_layer=1, n_head=2, n_embd=32)),
+                     str(tmp_path / "base"))
     return str(tmp_path / "base")
 
 
 def run(tmp_path, *flags):
     cmd = [sys.executable, os.path.join("bench", "compare_hf_lora.py"), "--synthetic", "reverse", "--n_train", "24",
-           "--n_val", "4", "--epochs", "1", "--lora", "4", "--lora_alpha", "8", "--work_dir", str(tmp_path / "work"), *flags]
+           "--n_val", "4", "--epochs", "1", "--lora", "4", "--lora_alpha", "8",
+           "--work_dir", str(tmp_path / "work"), *flags]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
                           env=dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path)))
 
 
 def test_peft_trains_the_adapters_alone_as_many_as_ours(base):
-    args = compare_hf_lora.parse_args(["--init_from", base, "--synthetic", "reverse", "--lora", "4", "--lora_alpha", "8"])
+    args = compare_hf_lora.parse_args(["--init_from", base, "--synthetic", "reverse", "--lora", "4",
+                                       "--lora_alpha", "8"])
     theirs = compare_hf_lora.peft_model(args, 0.0, 0.0)
     trainable = {n: p.numel() for n, p in theirs.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
@@ -62,8 +65,8 @@ def test_same_batches_and_first_a_give_ours_val_loss(base, tmp_path):
     alone, so they end at the same val loss (their own seeds' order and A give another: the first run here)."""
     gaps = []
     for flags in ([], ["--same_batches"]):
-        proc = run(tmp_path / str(len(gaps)), "--init_from", base, "--hf_like_ours", "--seed", "3", "--our_flags", "--seed 3",
-                   *flags)
+        proc = run(tmp_path / str(len(gaps)), "--init_from", base, "--hf_like_ours", "--seed", "3",
+                   "--our_flags", "--seed 3", *flags)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         gaps.append(abs(float(re.search(r"ours - peft: val loss ([-+]\d\.\d{4})", proc.stdout).group(1))))
     assert gaps[1] <= 1e-4 < gaps[0]
@@ -72,12 +75,14 @@ def test_same_batches_and_first_a_give_ours_val_loss(base, tmp_path):
 def test_runs_peft_alone_as_users_run_it(base, tmp_path):
     proc = run(tmp_path, "--init_from", base, "--only", "hf")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "peft: lora_dropout 0.05; 24 examples x 1 epochs = 3 steps of 8 examples; lr 0.0002 linear to 0" in proc.stdout
+    assert ("peft: lora_dropout 0.05; 24 examples x 1 epochs = 3 steps of 8 examples; lr 0.0002 linear to 0"
+            in proc.stdout)
 
 
 def test_bad_input_is_one_error_line(base, tmp_path):
     for flags, message in ((["--init_from", str(tmp_path)], "not a Hugging Face-layout folder"),
                            (["--init_from", base, "--hf_like_ours", "--only", "hf"], "not with --only hf"),
-                           (["--init_from", base, "--same_batches"], "--same_batches is a refinement of --hf_like_ours")):
+                           (["--init_from", base, "--same_batches"],
+                            "--same_batches is a refinement of --hf_like_ours")):
         proc = run(tmp_path, *flags)
         assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

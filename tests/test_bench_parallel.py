@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO, can_create_namespaces, clean_env, need
 
-pytestmark = pytest.mark.xdist_group("multiprocess")
+pytestmark = pytest.mark.xdist_group("multiprocess-2")
 
 FACTOR = 1.10  # measured / computed, either way
 
@@ -25,14 +25,16 @@ def test_measured_bytes_are_the_computed_ones():
     out, err = bench.communicate(timeout=600)
     proc = subprocess.CompletedProcess(bench.args, bench.returncode, out, err)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\s+(full|pp2) \|[^|]+\|[^|]+\| ([^|]+)\|", proc.stdout, re.M)}
+    rows = {m.group(1): m.group(2)
+            for m in re.finditer(r"^\s+(full|pp2) \|[^|]+\|[^|]+\| ([^|]+)\|", proc.stdout, re.M)}
     assert sorted(rows) == ["full", "pp2"], proc.stdout
     for name, cells in rows.items():
         pairs = [(float(a), float(b)) for a, b in re.findall(r"([\d.]+) \(([\d.]+)\)", cells)]
         assert len(pairs) == 2, (name, cells)
         for measured, computed in pairs:
             assert measured > 0 and computed > 0, (name, cells)
-            assert 1 / FACTOR <= measured / computed <= FACTOR, f"{name}: measured {measured} MB, computed {computed} MB"
+            assert 1 / FACTOR <= measured / computed <= FACTOR, (
+                f"{name}: measured {measured} MB, computed {computed} MB")
     # FSDP gathers every weight twice a micro-step (4 of them): far more than the pipeline's activations
     assert float(rows["full"].split()[0]) > 4 * float(rows["pp2"].split()[0])
     # cleaned up: no namespace of its own left (its names start with gpt2pb and its pid; another run's may come and go)
@@ -51,12 +53,13 @@ def test_ranks_sharing_a_hostname_are_a_node_to_parallel_auto():
                           capture_output=True, text=True, env=clean_env(), timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     line = re.search(r"parallel: .*\(predicted; link \d+ MB/s, \d+ us across nodes; a block .*; 2 nodes x 2 ranks"
-                     r"(, [\d.]+ threads a core)?\)",  # (the 4 ranks share this machine's cores, whatever their hostnames)
+                     # (the 4 ranks share this machine's cores, whatever their hostnames)
+                     r"(, [\d.]+ threads a core)?\)",
                      proc.stdout)
     every = re.search(r"parallel: every layout's predicted step: (.*)", proc.stdout)
     assert line and every, proc.stdout
     print(line.group(0), every.group(0), sep="\n")
-    # (--auto 0.38 GiB: 90% of it holds every layout but DDP, each with the process's 0.3 GiB: layouts.beyond_state)
+    # (--auto 0.38 GiB: 90% of it holds every layout but DDP, each with the process's 0.3 GiB: sizes.beyond_state)
     assert "tp 2 " in every.group(1) and "tp 4" not in every.group(1), every.group(1)
 
 

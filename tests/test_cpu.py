@@ -20,8 +20,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import make_shards, run_train, tiny_run_args
-from plumbing import cpu, read_json, speedups, write_json
-from train_gpt2 import GPT, GPTConfig
+from compute import cpu, speedups
+from plumbing.common import read_json, write_json
+from model import GPT, GPTConfig
 
 BF16, FP32 = torch.bfloat16, torch.float32
 # matmul rates in GFLOP/s at GPT-2's width (768) on 2 threads, measured on the two kinds of host this
@@ -34,9 +35,9 @@ NOT_FASTER = {BF16: 200.0, FP32: 185.0}  # advertises bf16, runs it barely faste
 
 class FakeCPU:
     """A CPU whose (rows, width) @ (width, 4 width) products run at the given GFLOP/s (with `threads` given: on
-    that many of torch's threads, proportionally less on fewer), each slowed by slowdown(i) for the i-th product, and whose threads
-    were on a CPU for ran(i, dtype) of the i-th product's time (another job held the cores for the rest, so it
-    took 1 / ran as long): measure_in_turns' time_product, without a clock. uses: {dtype: the share of torch's
+    that many of torch's threads, proportionally less on fewer), each slowed by slowdown(i) for the i-th product, and
+    whose threads were on a CPU for ran(i, dtype) of the i-th product's time (another job held the cores for the rest,
+    so it took 1 / ran as long): measure_in_turns' time_product, without a clock. uses: {dtype: the share of torch's
     threads its products use} (PyTorch's bf16 fallback uses one)."""
 
     def __init__(self, width, gflops, slowdown=lambda i: 1.0, ran=lambda i, dtype: 1.0, uses=None, threads=None):
@@ -47,7 +48,8 @@ class FakeCPU:
         self.calls.append((dtype, rows))
         i, flops = len(self.calls) - 1, 2 * rows * self.width * 4 * self.width
         ran, threads = self.ran(i, dtype), self.threads or torch.get_num_threads()
-        seconds = flops / (self.gflops[dtype] * min(1.0, torch.get_num_threads() / threads) * 1e9) * self.slowdown(i) / ran
+        flops_per_second = self.gflops[dtype] * min(1.0, torch.get_num_threads() / threads) * 1e9
+        seconds = flops / flops_per_second * self.slowdown(i) / ran
         self.seconds += seconds
         return seconds, ran * self.uses.get(dtype, 1.0)
 
@@ -80,7 +82,8 @@ def on_cpu(monkeypatch, native, gflops, width=768, **kwargs):
 def test_auto_picks_bf16_only_where_native_and_faster(cache, monkeypatch):
     on_cpu(monkeypatch, True, BF16_HOST)
     dtype, line = speedups.resolve_dtype("auto", "cpu", 768)
-    assert dtype == "bf16" and line.startswith("dtype: bf16 (") and "bf16 matmul 420 GFLOP/s vs fp32 185, measured now;" in line
+    assert (dtype == "bf16" and line.startswith("dtype: bf16 (")
+            and "bf16 matmul 420 GFLOP/s vs fp32 185, measured now;" in line)
     on_cpu(monkeypatch, False, AVX2_HOST, width=64)
     dtype, line = speedups.resolve_dtype("auto", "cpu", 64)
     assert dtype == "fp32" and line.startswith("dtype: fp32 (") and "no native bf16" in line
@@ -116,7 +119,8 @@ def test_ranks_agree_on_bf16_in_the_same_call(cache, monkeypatch):
     agreeing = ranks(others_bf16=1)
     assert speedups.resolve_dtype("auto", "cpu", 768, agreeing)[0] == "bf16" and agreeing.calls == [1.0]
     one_without = ranks(others_bf16=0)
-    assert speedups.resolve_dtype("auto", "cpu", 768, one_without) == ("fp32", "dtype: fp32 (some ranks' CPUs have no fast bf16)")
+    assert speedups.resolve_dtype("auto", "cpu", 768, one_without) == (
+        "fp32", "dtype: fp32 (some ranks' CPUs have no fast bf16)")
     # an explicit --dtype is the same on every rank: no collective
     explicit = ranks(others_bf16=0)
     assert speedups.resolve_dtype("bf16", "cpu", 768, explicit)[0] == "bf16" and explicit.calls == []
@@ -138,7 +142,8 @@ def test_autocast_follows_the_dtype():
         speedups.autocast("auto", "cpu")
 
 
-def test_the_real_rate_is_measured_at_every_start_kept_as_the_best_and_draws_no_random_numbers(cache, monkeypatch, one_thread):
+def test_the_real_rate_is_measured_at_every_start_kept_as_the_best_and_draws_no_random_numbers(cache, monkeypatch,
+                                                                                                one_thread):
     rng = torch.get_rng_state()
     rate = cpu.matmul_rate(FP32, 64)
     assert rate > 0 and torch.equal(torch.get_rng_state(), rng)  # a run's random stream is untouched
@@ -222,7 +227,8 @@ def test_a_busy_start_without_kept_rates_measures_longer(cache, monkeypatch, two
     dtype, line = speedups.resolve_dtype("auto", "cpu", 128)
     rounds = fake.calls.count((FP32, 1024)) - 1  # (one was its size's first)
     assert dtype == "bf16" and cpu.LONGER <= fake.seconds <= cpu.LONGER + 0.1
-    assert f"bf16 matmul 105 GFLOP/s vs fp32 46, measured now (this machine is busy: the best of {rounds} turns each);" in line
+    assert ("bf16 matmul 105 GFLOP/s vs fp32 46, measured now "
+            f"(this machine is busy: the best of {rounds} turns each);" in line)
 
 
 def test_a_kept_rate_above_the_cpus_does_not_sway_a_busy_start(cache, monkeypatch, two_threads):
@@ -298,7 +304,8 @@ def test_the_timer_reads_the_share_of_the_product_its_threads_ran(monkeypatch, o
     # a product that took 4 ms of wall time while the process ran for 1 ms: its thread was off the CPU 3/4 of it
     clock = iter([10.0, 10.004])
     cpu_clock = iter([5.0, 5.001])
-    monkeypatch.setattr(cpu, "time", SimpleNamespace(perf_counter=lambda: next(clock), process_time=lambda: next(cpu_clock)))
+    monkeypatch.setattr(cpu, "time", SimpleNamespace(perf_counter=lambda: next(clock),
+                                                     process_time=lambda: next(cpu_clock)))
     seconds, share = cpu.matmul_timer(32)(FP32, 16)
     assert seconds == pytest.approx(0.004) and share == pytest.approx(0.25)
 
@@ -331,7 +338,8 @@ def test_a_share_above_100_percent_measures_again_once(cache, monkeypatch):
     machine.gflops[FP32] = 150.0  # quiet again
     line = rate.share(60.0)  # 600%: impossible, so the rate is measured again
     assert len(machine.calls) > measured and rate.gflops == pytest.approx(150.0)
-    assert line == " | 40% of this CPU's fp32 matmul rate (measured again: the step beat the 10 GFLOP/s on record; now 150)"
+    assert line == (" | 40% of this CPU's fp32 matmul rate "
+                    "(measured again: the step beat the 10 GFLOP/s on record; now 150)")
     assert read_json(cache)[cpu.rate_key(FP32, 768)] == pytest.approx(150.0)  # the next start begins from it
     # a step that still beats the new rate runs faster than the probe (the bf16 fallback): said, not re-measured
     measured = len(machine.calls)
@@ -357,7 +365,8 @@ def test_the_decision_measures_in_turns_and_survives_a_busy_moment(cache, monkey
                 # after each dtype's size is found, the timed products alternate: bf16, fp32, bf16, fp32, ...
                 assert [d for d, _ in fake.calls[-2 * cpu.MEASURE_ROUNDS:]] == [BF16, FP32] * cpu.MEASURE_ROUNDS
                 # the same machine in the same state measures the same rates
-                twice = [cpu.measure_matmul_rates((BF16, FP32), 768, time_product=FakeCPU(768, gflops, slowdown).time_product)
+                twice = [cpu.measure_matmul_rates((BF16, FP32), 768,
+                                                  time_product=FakeCPU(768, gflops, slowdown).time_product)
                          for _ in range(2)]
                 assert twice[0] == twice[1]
 
@@ -418,8 +427,10 @@ def test_a_run_names_its_cpu_dtype_and_share_of_the_matmul_rate(tmp_path, one_th
     # and corrects a poisoned cache: rates of a thousandth of a GFLOP/s, as a busy first start might leave
     data, cache = make_shards(tmp_path / "data"), tmp_path / "cache" / "gpt2-cpu" / "matmul_rates.json"
     cache.parent.mkdir(parents=True)
-    cache.write_text(json.dumps({cpu.rate_key(FP32, 32): 0.001, cpu.rate_key(BF16, 32): 0.001}))  # --threads 1, width 32
-    out = run_train(tiny_run_args(data, tmp_path / "log", "--max_steps", "2"), env={"XDG_CACHE_HOME": str(tmp_path / "cache")}).stdout
+    # --threads 1, width 32
+    cache.write_text(json.dumps({cpu.rate_key(FP32, 32): 0.001, cpu.rate_key(BF16, 32): 0.001}))
+    out = run_train(tiny_run_args(data, tmp_path / "log", "--max_steps", "2"),
+                    env={"XDG_CACHE_HOME": str(tmp_path / "cache")}).stdout
     isa = torch.backends.cpu.get_cpu_capability() + (" + AMX" if cpu.has_amx() else "")  # (named where it has it)
     assert f"cpu: {cpu.cpu_name()}, {isa}, native bf16: " in out
     assert "1 torch thread(s)" in out and "dtype: fp32 (--dtype fp32; bf16 matmul " in out
@@ -454,8 +465,9 @@ def test_auto_resolves_the_same_way_in_a_run_as_here(tmp_path, monkeypatch, one_
     # line, and two measurements could fall on either side of it)
     expected, _ = speedups.resolve_dtype("auto", "cpu", 128)  # on one thread, as the run below (--threads 1)
     data = make_shards(tmp_path / "data")
-    out = run_train(tiny_run_args(data, tmp_path / "log", "--dtype", "auto", "--max_steps", "1", "--n_embd", "128", "--n_head", "8",
-                                  "--eval_interval", "0"), env={"XDG_CACHE_HOME": str(tmp_path / "cache")}).stdout
+    out = run_train(tiny_run_args(data, tmp_path / "log", "--dtype", "auto", "--max_steps", "1", "--n_embd", "128",
+                                  "--n_head", "8", "--eval_interval", "0"),
+                    env={"XDG_CACHE_HOME": str(tmp_path / "cache")}).stdout
     assert f"dtype: {expected} (" in out and f"of this CPU's {expected} matmul rate" in out
     assert expected == "fp32" or cpu.native_bf16()  # never bf16 without native support
 

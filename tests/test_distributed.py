@@ -22,17 +22,17 @@ import time
 import pytest
 import torch
 
-import train_gpt2
-from plumbing import checkpoints
-from conftest import (LIMIT, REPO, TORCHRUN, can_create_namespaces, clean_env, final_weights_diff, free_port,
-                      make_shards, namespace_hosts, need, read_log, run_launched, run_train, start_ranks, tiny_run_args)
+from conftest import (LIMIT, REPO, TORCHRUN, assert_same_run, can_create_namespaces, checkpoint_val, clean_env,
+                      final_weights_diff, free_port, namespace_hosts, need, outputs_of, read_log, run_launched,
+                      run_train, start_ranks, stopped_after_step_3, tiny_run_args)
 
-from plumbing.world import choose_backend, detect_launch
-from plumbing.cpu import cpu_list, physical_cores, ranks_sharing_cpus
+from parallel.world import choose_backend, detect_launch
+from compute.cpu import cpu_list, physical_cores, ranks_sharing_cpus
 from dataloader import DataLoader
 
 FAKE_CCL = os.path.join(REPO, "tests", "fake_ccl")
 EQUAL = ["--batch_size", "2", "--total_batch_size", "384"]  # 6, 3 or 2 micro-steps on 1, 2 or 3 ranks
+REFERENCE = EQUAL  # (conftest's single: one process's run)
 TOL = 1e-5
 
 # launchers and ranks: the whole file runs on one xdist worker, one test at a time (docs/tests.md), which also
@@ -55,38 +55,8 @@ def printed_digest(stdout, world_size, parts=False):
     return lines[0].split()[-1]
 
 
-def checkpoint_val(log_dir, step):
-    """The full-precision val loss stored in a checkpoint (log.txt rounds it to 4 decimals); a sharded
-    run's checkpoint is a folder (model_XXXXX.dcp)."""
-    path = next(f for f in train_gpt2.list_checkpoints(str(log_dir)) if checkpoints.checkpoint_step(f) == step)
-    return train_gpt2.load_checkpoint(path)["val_loss"]
-
-
-def assert_same_run(ref_dir, dist_dir, tol=TOL):
-    ref, got = read_log(ref_dir, "train"), read_log(dist_dir, "train")
-    assert sorted(got) == sorted(ref) == list(range(6))
-    worst = max(abs(ref[s] - got[s]) for s in ref)
-    assert worst <= tol, f"train losses differ by {worst:.2e}: {ref} vs {got}"
-    assert read_log(ref_dir, "val") == read_log(dist_dir, "val")
-    for step in (3, 6):
-        assert abs(checkpoint_val(ref_dir, step) - checkpoint_val(dist_dir, step)) <= tol
-    return worst
-
-
 # -----------------------------------------------------------------------------
 # Runs shared by several tests (built once per test module and worker)
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return make_shards(tmp_path_factory.mktemp("dist") / "data")
-
-
-@pytest.fixture(scope="module")
-def single(data, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("single") / "log"
-    proc = run_train(tiny_run_args(data, log_dir, *EQUAL), env=clean_env(), timeout=LIMIT)
-    return log_dir, proc
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +185,8 @@ def test_torchrun_two_ranks_equal_one_process(single, two_ranks):
     assert proc.stdout.count("validation loss") == 3 and len(re.findall(r"^step ", proc.stdout, re.M)) == 6
 
 
-@pytest.mark.parametrize("shard", ["none", "full"])
+# (FSDP on 3 ranks in the main lane: three namespace hosts, below)
+@pytest.mark.parametrize("shard", ["none", pytest.param("full", marks=pytest.mark.long)])
 def test_mpirun_three_ranks_equal_one_process(data, single, tmp_path, shard):
     mpirun = shutil.which("mpirun.mpich") or shutil.which("mpirun")
     need(mpirun, "MPICH's mpirun")
@@ -237,7 +208,7 @@ def test_ranks_agree_on_bf16_only_if_every_cpu_computes_it_fast(data, tmp_path, 
     oneDNN limited to AVX2 (a CPU without native bf16). Whatever rank 0's CPU, the run trains in fp32."""
     mpirun = shutil.which("mpirun.mpich") or shutil.which("mpirun")
     need(mpirun, "MPICH's mpirun")
-    from plumbing import speedups
+    from compute import speedups
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     # rank 0's choice, made here first on one thread as rank 0 runs: rank 0 measures again, but the cache keeps
     # the best rates, so its rates are at least these, and a busy moment cannot make it choose otherwise
@@ -363,13 +334,7 @@ def test_three_hosts_over_network_namespaces_equal_one_process(data, single, tmp
                    *map(str, tiny_run_args(data, log_dir, *EQUAL, "--dist_timeout", "120", "--shard", shard))]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                           env=env, cwd=REPO))
-        try:
-            outputs = [p.communicate(timeout=LIMIT) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        outputs = outputs_of(procs)
     for p, (out, err) in zip(procs, outputs):
         assert p.returncode == 0, f"{out}\n{err}"
     out0 = outputs[0][0]
@@ -408,13 +373,13 @@ def test_torchrun_two_ranks_sharded_equals_ddp_and_one_process(single, two_ranks
 LEAVE_GROUP = """
 import os, sys, torch
 sys.path.insert(0, sys.argv[1])
-from plumbing import world
+from parallel import mesh, world
 world.init_process_group("gloo", int(os.environ["RANK"]), 2, 2, "torchrun", 60)
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(768, 768))
 model(torch.randn(4, 768)).sum().backward()
-mesh = world.mesh_of(2, 2, 1, "cpu")  # a pipeline's mesh, made once a process (a cache keeps it)
-torch.distributed.all_reduce(torch.ones(3), group=mesh["pp"].get_group())
-del model, mesh
+pipeline_mesh = mesh.mesh_of(2, 2, 1, "cpu")  # a pipeline's mesh, made once a process (a cache keeps it)
+torch.distributed.all_reduce(torch.ones(3), group=pipeline_mesh["pp"].get_group())
+del model, pipeline_mesh
 world.leave_process_group()
 threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
 os.write(1, f"gloo threads left: {sorted(t for t in threads if 'gloo' in t)}\\n".encode())  # one write: a shared pipe
@@ -430,7 +395,8 @@ def test_leaving_the_group_ends_its_threads(tmp_path):
     holding theirs.)"""
     script = tmp_path / "leave_group.py"
     script.write_text(LEAVE_GROUP)
-    proc = subprocess.run([*TORCHRUN, str(script), REPO], capture_output=True, text=True, env=clean_env(), timeout=LIMIT)
+    proc = subprocess.run([*TORCHRUN, str(script), REPO], capture_output=True, text=True, env=clean_env(),
+                          timeout=LIMIT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("gloo threads left: []") == 2, proc.stdout
 
@@ -445,7 +411,7 @@ def test_a_run_that_leaves_gloo_threads_running_ends_without_the_teardown(monkey
     threads with them; a --tp 2 run of the tests then aborted as the interpreter exited, after it had saved and
     printed everything. So a run that left its group with gloo threads running ends with os._exit, keeping its exit
     code (0, or a signal's 143); with none left, it ends as usual."""
-    from plumbing import world
+    from parallel import world
     ended = []
 
     def exit_now(code):
@@ -472,16 +438,17 @@ BUILD_SHARDED = """
 import sys, torch
 sys.path.insert(0, sys.argv[1])
 import train_gpt2
-from plumbing import sharding, world
+from model import GPTConfig, GPT
+from parallel import build, sharding, world
 torch.distributed.init_process_group("gloo")
 ranks = world.Ranks(*world.detect_launch())
-config = train_gpt2.GPTConfig(block_size=32, vocab_size=300, n_layer=2, n_head=2, n_embd=16)
+config = GPTConfig(block_size=32, vocab_size=300, n_layer=2, n_head=2, n_embd=16)
 torch.manual_seed(7)
-whole = train_gpt2.GPT(config)  # built whole, then sharded: what a DDP run starts from
+whole = GPT(config)  # built whole, then sharded: what a DDP run starts from
 after_whole = torch.get_rng_state()
 sharding.shard_model(whole, ranks, bf16=False)
 torch.manual_seed(7)
-built = sharding.build_sharded(lambda: train_gpt2.GPT(config), ranks, bf16=False)
+built = build.build_sharded(lambda: GPT(config), ranks, bf16=False)
 assert torch.equal(torch.get_rng_state(), after_whole), "the random generator moved on differently"
 assert built.lm_head.weight is built.transformer.wte.weight, "lm_head is no longer tied"
 a, b = whole.state_dict(), built.state_dict()
@@ -501,7 +468,8 @@ def test_sharded_build_starts_from_a_whole_builds_weights(tmp_path):
     that leaves it), or a sharded run would not start where a DDP run does."""
     script = tmp_path / "build_sharded.py"
     script.write_text(BUILD_SHARDED)
-    proc = subprocess.run([*TORCHRUN, str(script), REPO], capture_output=True, text=True, env=clean_env(), timeout=LIMIT)
+    proc = subprocess.run([*TORCHRUN, str(script), REPO], capture_output=True, text=True, env=clean_env(),
+                          timeout=LIMIT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("same weights 29") == 2, proc.stdout
 
@@ -511,7 +479,8 @@ def test_sharded_finetune_from_pretrained_equals_ddp(data, tmp_path):
     in just its pieces, one tensor at a time; the fine-tune must equal the same fine-tune under DDP."""
     from conftest import save_random_hf_gpt2
     save_random_hf_gpt2(tmp_path / "hf")
-    ddp = run_launched(tiny_run_args(data, tmp_path / "ddp", *EQUAL, "--init_from", tmp_path / "hf"), TORCHRUN, clean_env())
+    ddp = run_launched(tiny_run_args(data, tmp_path / "ddp", *EQUAL, "--init_from", tmp_path / "hf"),
+                       TORCHRUN, clean_env())
     sharded = run_launched(tiny_run_args(data, tmp_path / "sharded", *EQUAL, "--init_from", tmp_path / "hf",
                                          "--shard", "full"), TORCHRUN, clean_env())
     assert "n_embd=64" in ddp.stdout and "n_embd=64" in sharded.stdout and "shard: FSDP2" in sharded.stdout
@@ -525,13 +494,10 @@ def add_a_half_written_save(log_dir):
     (log_dir / "model_00005.dcp.tmp" / "__0_0.distcp").write_bytes(b"half")
 
 
-def stopped_after_step_3(run_dir, tmp_path):
+def killed_after_step_3(run_dir, tmp_path):
     """A copy of a finished run's folder as a run killed after its step-3 checkpoint leaves it, with a half-written
     sharded save in it too."""
-    copy = tmp_path / "log"
-    shutil.copytree(run_dir, copy)
-    for f in train_gpt2.list_checkpoints(str(copy))[1:]:
-        shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)
+    copy = stopped_after_step_3(run_dir, tmp_path / "log")
     add_a_half_written_save(copy)
     return copy
 
@@ -549,7 +515,8 @@ def test_sharded_run_killed_with_sigkill_resumes_on_two_ranks_and_on_one(data, s
     lands: a save may be half-written; one, model_00005.dcp.tmp, is added for certain), resumed on 2 ranks (bitwise)
     and, from a copy, on 1 (the same run as one process's)."""
     log_dir = tmp_path / "two" / "log"
-    cmd = [*TORCHRUN, os.path.join(REPO, "train_gpt2.py"), *map(str, tiny_run_args(data, log_dir, *EQUAL, "--shard", "full"))]
+    cmd = [*TORCHRUN, os.path.join(REPO, "train_gpt2.py"),
+           *map(str, tiny_run_args(data, log_dir, *EQUAL, "--shard", "full"))]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env(),
                             cwd=REPO, start_new_session=True)
     try:
@@ -578,7 +545,7 @@ def test_sharded_run_killed_with_sigkill_resumes_on_two_ranks_and_on_one(data, s
 
 
 def test_ddp_checkpoint_resumed_sharded(single, two_ranks, tmp_path):
-    log_dir = stopped_after_step_3(two_ranks[0], tmp_path)
+    log_dir = killed_after_step_3(two_ranks[0], tmp_path)
     proc = run_launched(["--resume", "--log_dir", log_dir, "--shard", "full"], TORCHRUN, clean_env())
     assert "model_00003.pt at step 3" in proc.stdout and "shard: FSDP2" in proc.stdout
     assert_same_run(single[0], log_dir)
@@ -592,7 +559,8 @@ def test_shard_errors_are_one_line(data, two_ranks_sharded, tmp_path):
     half = tmp_path / "model_00009.dcp"  # a sharded folder without its meta.pt: not a checkpoint
     shutil.copytree(two_ranks_sharded[0] / "model_00003.dcp", half)
     os.remove(half / "meta.pt")
-    proc = subprocess.run([sys.executable, "sample.py", "--ckpt_path", str(half)], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "sample.py", "--ckpt_path", str(half)], cwd=REPO, capture_output=True,
+                          text=True)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("error:"), proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -610,11 +578,12 @@ def two_ranks_grads(data, tmp_path_factory):
 
 def test_shard_grads_equals_one_process_and_resumes(single, two_ranks_grads, tmp_path):
     log_dir, proc = two_ranks_grads
-    assert "the gradients accumulate whole until its last micro-step and are then reduce-scattered (ZeRO-2)" in proc.stdout
+    assert ("the gradients accumulate whole until its last micro-step and are then reduce-scattered (ZeRO-2)"
+            in proc.stdout)
     worst = assert_same_run(single[0], log_dir)
     print(f"torchrun x2 --shard grads vs 1 process: largest train loss difference {worst:.1e}")
     assert final_weights_diff(single[0], log_dir) <= TOL
-    resumed = stopped_after_step_3(log_dir, tmp_path)
+    resumed = killed_after_step_3(log_dir, tmp_path)
     proc = run_launched(["--resume", "--log_dir", resumed], TORCHRUN, clean_env())
     assert "model_00003.dcp at step 3" in proc.stdout
     assert read_log(resumed, "train") == read_log(log_dir, "train")  # same ranks, same layout: bitwise
@@ -624,6 +593,7 @@ COUNT_GATHERS = """
 import sys, torch
 sys.path.insert(0, sys.argv[1])
 import train_gpt2
+from model import GPTConfig, GPT
 calls = [0]
 gather = torch.distributed.all_gather_single
 def counted(*a, **k):

@@ -8,7 +8,8 @@ from conftest import REPO
 
 README = os.path.join(REPO, "README.md")
 # user docs: README and docs/*.md, but docs/history.md, where development history may go
-USER_DOCS = [README] + [p for p in sorted(glob.glob(os.path.join(REPO, "docs", "*.md"))) if not p.endswith("history.md")]
+USER_DOCS = [README] + [p for p in sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))
+                        if not p.endswith("history.md")]
 # "issue 35", "the issue's", "this session", "#36" (but not an upstream project's reference, "pytorch#118499")
 HISTORY = re.compile(r"\bissues? \d+|\b[Tt]he issue\b|\bthis session\b|(?<![\w/-])#\d+")
 

@@ -11,7 +11,7 @@ import torch
 import export_hf
 import tokenizer
 from conftest import REPO, make_shards, run_train, save_random_hf_gpt2, tiny_run_args
-from train_gpt2 import GPT, GPTConfig, load_model
+from model import GPT, GPTConfig, load_model
 import answer
 import sample
 import tasks
@@ -128,7 +128,8 @@ def test_round_trip_from_pretrained_is_the_identity(tmp_path):
 CORPUS = [
     "Hello, world! It's a test: we'll see what they've done, don't we?",
     "  leading spaces, trailing spaces   \n\n\ttabs\tand\r\nwindows lines\n\n\n",
-    "unicode: héllo wörld, Ελληνικά, русский, 中文字符, 日本語のテキスト, 한국어, עברית, العربية",
+    "unicode: héllo wörld, Ελληνικά, русский, "
+    "中文字符, 日本語のテキスト, 한국어, עברית, العربية",
     "emoji 🤖🚀👩‍👩‍👧‍👦 and flags 🇫🇷🇯🇵, math ∑∫√∞ ≠ ≤, symbols ©®™ ½",
     "def f(x):\n    return {'a': [1, 2, 3], \"b\": x ** 2}  # code\n\nclass A(B):\n    pass\n",
     "numbers 1234567890 3.14159 1e-8 0x1F, dates 2026-11-23, ids a1b2c3",
@@ -156,13 +157,15 @@ def test_bad_input_is_one_line(tmp_path):
     assert proc.returncode == 1 and proc.stderr.strip() == f"error: checkpoint {tmp_path / 'missing.pt'} not found"
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
     proc = run_export(tmp_path / "bad.pt", tmp_path / "out")
-    assert proc.returncode == 1 and proc.stderr.strip().startswith(f"error: cannot load checkpoint {tmp_path / 'bad.pt'}")
+    assert (proc.returncode == 1
+            and proc.stderr.strip().startswith(f"error: cannot load checkpoint {tmp_path / 'bad.pt'}"))
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("mine")
     model = GPT(GPTConfig(block_size=32, n_layer=1, n_head=1, n_embd=8))
     torch.save({"config": asdict(model.config), "model": model.state_dict()}, tmp_path / "ok.pt")
     proc = run_export(tmp_path / "ok.pt", tmp_path / "busy")
     assert proc.returncode == 1
-    assert proc.stderr.strip() == f"error: {tmp_path / 'busy'} exists and holds other files (notes.txt, ...): choose another folder"
+    assert proc.stderr.strip() == (f"error: {tmp_path / 'busy'} exists and holds other files (notes.txt, ...): "
+                                   "choose another folder")
     assert os.listdir(tmp_path / "busy") == ["notes.txt"]
     assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]

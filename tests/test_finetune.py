@@ -66,8 +66,8 @@ def folder_bytes(out_dir):
 # --- rendering --------------------------------------------------------------------------------
 
 PAIRS = [("What is 2 + 2?", " 4"), ("x =", "42"), ("Translate: chat ->", " cat\n"),
-         ("typed <|endoftext|> stays text:", " <|endoftext|> too"), ("caf\u00e9 \U0001F600", " na\u00efve \u65e5\u672c"),
-         ("  spaces  ", "  around  ")]
+         ("typed <|endoftext|> stays text:", " <|endoftext|> too"),
+         ("caf\u00e9 \U0001F600", " na\u00efve \u65e5\u672c"), ("  spaces  ", "  around  ")]
 
 
 @pytest.mark.parametrize("prompt,completion", PAIRS)
@@ -339,7 +339,8 @@ def test_too_long_cut_keeps_the_answer_and_eot_drop_drops(tmp_path, capsys):
     task = prepare("--input", src, "--output_dir", tmp_path / "cut", "--max_len", 20, "--val_examples", 0)
     err = capsys.readouterr().err
     assert f"{src}:1: too long: " in err and "cut" in err and f"{src}:3: too long: " in err
-    assert task["cut"] == 1 and task["trimmed"] == 1 and task["dropped"] == {"too long": 1} and task["too_long"] == "cut"
+    assert (task["cut"] == 1 and task["trimmed"] == 1 and task["dropped"] == {"too long": 1}
+            and task["too_long"] == "cut")
     got = read_split(tmp_path / "cut", "train")
     assert len(got) == 3
     for (ids, targets, answer_start), row in zip(got, [rows[0], rows[1]]):
@@ -362,7 +363,10 @@ def test_cut_at_the_limit():
     example = {"prompt": "a b c d e", "completion": " f"}
     ids, targets, answer_start = tasks.render(example)
     n = len(ids)
-    fit = lambda max_len: tasks.fit(example, tasks.TEMPLATES, "completion", max_len, "cut")  # noqa: E731
+
+    def fit(max_len):
+        return tasks.fit(example, tasks.TEMPLATES, "completion", max_len, "cut")
+
     assert fit(n - 1)[3] is None   # exactly fits
     cut_ids, cut_targets, cut_answer, note = fit(n - 2)
     assert cut_ids == ids[1:] and cut_answer == answer_start - 1 and note
@@ -404,7 +408,8 @@ def test_hugging_face_streaming_path_on_a_local_dataset_folder(tmp_path, monkeyp
     ds = tmp_path / "gsm_like"
     (ds / "data").mkdir(parents=True)
     write_jsonl(ds / "data" / "train-00000-of-00001.jsonl", GSM_LIKE[:8])
-    write_jsonl(ds / "data" / "test-00000-of-00001.jsonl", GSM_LIKE[8:] + [{"question": "q", "answer": "", "source": "x"}])
+    write_jsonl(ds / "data" / "test-00000-of-00001.jsonl",
+                GSM_LIKE[8:] + [{"question": "q", "answer": "", "source": "x"}])
     flags = ["--columns", "prompt=question,completion=answer", "--answer_regex", "#### (.*)"]
     task = prepare("--input", ds, "--output_dir", tmp_path / "out", "--val_examples", 0, *flags)
     assert [r[0] for r in read_split(tmp_path / "out", "train")] == \
@@ -423,7 +428,8 @@ def test_hugging_face_streaming_path_on_a_local_dataset_folder(tmp_path, monkeyp
 def test_the_old_eval_form_names_the_new_command(tmp_path):
     with pytest.raises(SystemExit) as e:
         finetune.main(["--eval", "--ckpt_path", "log/model_00300.pt", "--input", "val.jsonl"])
-    assert str(e.value) == "error: --eval is answer.py's now: python answer.py --ckpt_path log/model_00300.pt --input val.jsonl"
+    assert str(e.value) == ("error: --eval is answer.py's now: "
+                            "python answer.py --ckpt_path log/model_00300.pt --input val.jsonl")
 
 
 # --- the demo task (finetune.py --demo itself, its wiring and training: tests/test_finetune_train.py) ---

@@ -13,7 +13,7 @@ import answer
 import dataloader
 import finetune
 import tasks
-import train_gpt2
+from plumbing import checkpoints
 from conftest import (TINY_MODEL, greedy_reference, read_log, record_prompts, run_train, save_task_checkpoint,
                       task_of, varied_model)
 from tokenizer import EOT, decode, encode as enc
@@ -48,7 +48,7 @@ def test_no_val_split_trains_and_logs_no_val_loss(tmp_path):
     assert "validation loss" not in proc.stdout and "task accuracy" not in proc.stdout
     assert read_log(tmp_path / "log", "val") == {} and read_log(tmp_path / "log", "task") == {}
     assert len(read_log(tmp_path / "log", "train")) == 2
-    assert train_gpt2.load_checkpoint(str(tmp_path / "log" / "model_00002.pt"))["val_loss"] is None
+    assert checkpoints.load_checkpoint(str(tmp_path / "log" / "model_00002.pt"))["val_loss"] is None
 
 
 # 2. val examples longer than every training example ------------------------------------------------------------
@@ -92,7 +92,8 @@ def test_scoring_a_dataset_reads_test_else_validation_never_train(tmp_path, monk
         out = capsys.readouterr().out
         assert f"/3 examples of {folder}, split {scored};" in out and f"{scored} 0?" in out and "train 0" not in out
     folder = dataset_folder(tmp_path / "train_only", ("train",))
-    with pytest.raises(SystemExit, match=f"error: --input {folder} has no test or validation split \\(it has: train\\)"):
+    with pytest.raises(SystemExit,
+                       match=f"error: --input {folder} has no test or validation split \\(it has: train\\)"):
         answer.main([*flags, "--input", folder])
     answer.main([*flags, "--input", folder, "--hf_split", "train"])   # asked for by name, it is scored
     assert f"/4 examples of {folder}, split train;" in capsys.readouterr().out
@@ -102,7 +103,8 @@ def test_scoring_a_dataset_reads_test_else_validation_never_train(tmp_path, monk
 
 def test_val_examples_also_in_train_are_counted_and_dedup_drops_them(tmp_path, capsys):
     train_src = write_jsonl(tmp_path / "train.jsonl", [qa(i) for i in range(10)])
-    shared = [{"prompt": "Q1:  ", "completion": " other"}, {"prompt": " Q2:", "completion": " yes"}]   # whitespace apart
+    # whitespace apart
+    shared = [{"prompt": "Q1:  ", "completion": " other"}, {"prompt": " Q2:", "completion": " yes"}]
     val_src = write_jsonl(tmp_path / "val.jsonl", shared + [qa(50), qa(51)])
     task = finetune.main(["--input", train_src, "--val_input", val_src, "--output_dir", str(tmp_path / "a")])
     assert task["overlap"] == 2 and task["splits"]["val"]["examples"] == 4
@@ -197,7 +199,8 @@ def test_glued_prompts_are_counted_and_a_separator_goes_into_training_and_answer
     s, a, e = examples[1].tolist()
     assert tokens[s:e].tolist() == enc("What is 1 plus 1?\n") + enc("1 plus 1 is 2.") + [EOT] and a - s == len(
         enc("What is 1 plus 1?\n"))
-    assert tasks.prompt_ids(dataloader.read_task(str(tmp_path / "b")), "What is 7 plus 7?") == enc("What is 7 plus 7?\n")
+    assert (tasks.prompt_ids(dataloader.read_task(str(tmp_path / "b")), "What is 7 plus 7?")
+            == enc("What is 7 plus 7?\n"))
 
 
 def test_a_json_line_with_a_key_twice_is_rejected_with_its_place(tmp_path, capsys):

@@ -13,9 +13,9 @@ import dataloader
 import finetune
 from conftest import TINY_MODEL, TORCHRUN, clean_env, final_weights_diff, read_log, run_launched, run_train
 from dataloader import IGNORE, Packed, TaskLoader, pack, pick_targets
-from plumbing import fused_loss
-from plumbing.fused_loss import lm_head_loss
-from train_gpt2 import GPT, GPTConfig
+from compute import fused_loss
+from compute.fused_loss import lm_head_loss
+from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -101,7 +101,8 @@ def test_a_batch_with_no_target_has_loss_zero_not_nan():
     assert loss.item() == 0.0 and not x.grad.any() and not w.grad.any()
     model = tiny_gpt()  # and through a packed forward, which drops every position before the loss
     y = torch.full((1, 8), IGNORE)
-    _, loss = model(torch.zeros(1, 8, dtype=torch.long), y, packed=Packed(torch.arange(8)[None], torch.tensor([8]), pick_targets(y)))
+    _, loss = model(torch.zeros(1, 8, dtype=torch.long), y,
+                    packed=Packed(torch.arange(8)[None], torch.tensor([8]), pick_targets(y)))
     loss.backward()
     assert loss.item() == 0.0 and all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
 
@@ -134,7 +135,11 @@ def test_each_packed_example_learns_as_if_alone_and_ignores_its_neighbours():
     model = tiny_gpt()
     rng = np.random.default_rng(2)
     a, b, b2 = example_ids(rng, 7, 5), example_ids(rng, 12, 3), example_ids(rng, 12, 3)
-    ignore = lambda ex: (ex[0], [0] * len(ex[1]))  # noqa: E731  only a's targets count
+
+    # only a's targets count
+    def ignore(ex):
+        return (ex[0], [0] * len(ex[1]))
+
     alone = loss_and_grads(model, *(t[None] for t in inputs_and_targets(*a)))
     for layout in (lambda n: [a, ignore(n)], lambda n: [ignore(n), a]):  # a first or second in its row
         with_b, with_b2 = (loss_and_grads(model, *packed_row(layout(n), 40)) for n in (b, b2))
@@ -165,10 +170,10 @@ def test_compiled_packed_rows_leave_packed_attention_eager(monkeypatch):
     """Compiled as train_gpt2.py compiles (keep_packed_attention_eager first), rows with new example lengths compute
     what the eager model does without compiling a graph for each set of lengths (the split depends on the data)."""
     import torch._dynamo
-    import train_gpt2
+    import model as gpt2
     monkeypatch.setattr(torch._dynamo.config, "disable", False)  # (conftest.py turns torch.compile off)
-    monkeypatch.setattr(train_gpt2, "packed_attention", train_gpt2.packed_attention)  # (undone after the test)
-    train_gpt2.keep_packed_attention_eager()
+    monkeypatch.setattr(gpt2, "packed_attention", gpt2.packed_attention)  # (undone after the test)
+    gpt2.keep_packed_attention_eager()
     torch._dynamo.reset()
     model, rng, graphs, counts = tiny_gpt(), np.random.default_rng(4), [], []
     compiled = torch.compile(model, backend=lambda gm, _: graphs.append(gm) or gm)  # (the graphs dynamo makes)
@@ -283,7 +288,7 @@ def test_resume_in_the_middle_of_an_epoch_is_exact(task, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.xdist_group("multiprocess")
+@pytest.mark.xdist_group("multiprocess-2")
 def test_two_ranks_and_sharded_equal_one_process(task, tmp_path):
     """2 rows per step: 2 micro-steps on 1 process, 1 on each of 2 ranks (DDP), and the same sharded (FSDP2)."""
     equal = ["--batch_size", "1", "--total_batch_size", "128"]
@@ -298,7 +303,8 @@ def test_two_ranks_and_sharded_equal_one_process(task, tmp_path):
         got = read_log(other, "train")
         assert sorted(got) == sorted(ref) == [0, 1, 2, 3]
         assert max(abs(ref[s] - got[s]) for s in ref) <= 1e-5
-        assert all(abs(a - b) <= 1e-4 for a, b in zip(read_log(single, "val").values(), read_log(other, "val").values()))
+        assert all(abs(a - b) <= 1e-4
+                   for a, b in zip(read_log(single, "val").values(), read_log(other, "val").values()))
         assert read_log(single, "task") == read_log(other, "task")
         assert final_weights_diff(single, other) <= 1e-5
 

@@ -149,8 +149,8 @@ def test_tokenizing_shows_its_progress_against_the_inputs_rows(tmp_path, monkeyp
     manifest = run("--input", tmp_path / "in", "--output_dir", tmp_path / "out", "--shard_size", 2000,
                    "--val_tokens", 500, "--batch_chars", 1)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("tokenizing: ")]
-    shown = [re.match(rf"tokenizing: (\d+)% \((\d+)/{total} documents, ([\d,]+) tokens, (\d+) shards\), \d+s, ETA \d+s$",
-                      ln) for ln in lines]
+    shown = [re.match(rf"tokenizing: (\d+)% \((\d+)/{total} documents, ([\d,]+) tokens, "
+                      r"(\d+) shards\), \d+s, ETA \d+s$", ln) for ln in lines]
     assert all(shown) and len(shown) >= 5, lines
     percents = [int(m[1]) for m in shown]
     assert percents == sorted(set(percents)) and percents[-1] == 100 and int(shown[-1][2]) == total

@@ -15,8 +15,8 @@ from torch.nn import functional as F
 import hellaswag
 import tokenizer
 from conftest import HELLASWAG_EXAMPLES, REPO, free_port, write_hellaswag
-from plumbing import cpu
-from train_gpt2 import GPT, GPTConfig
+from compute import cpu
+from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -83,7 +83,8 @@ def test_batched_equals_unbatched(batch_size):
     many = hellaswag.score_endings(model, rendered, batch_size=batch_size)
     assert torch.equal(one[1], many[1])
     torch.testing.assert_close(one[0], many[0], rtol=1e-5, atol=1e-5)
-    assert hellaswag.evaluate(model, examples, batch_size=1) == hellaswag.evaluate(model, examples, batch_size=batch_size)
+    assert (hellaswag.evaluate(model, examples, batch_size=1)
+            == hellaswag.evaluate(model, examples, batch_size=batch_size))
 
 
 def test_cropping_keeps_endings_comparable():
@@ -134,7 +135,7 @@ def _rank_worker(rank, world_size, port, out_dir):
         json.dump(r, f)
 
 
-@pytest.mark.xdist_group("multiprocess")
+@pytest.mark.xdist_group("multiprocess-2")
 def test_two_ranks_equal_one(tmp_path):
     one = hellaswag.evaluate(tiny_model(2), EXAMPLES + [LONG], batch_size=2)
     mp.spawn(_rank_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
@@ -254,7 +255,8 @@ def test_cli_downloads_and_evaluates_a_checkpoint(server, tmp_path):
     auto = "bf16" if "dtype: bf16 (" in proc.stdout else "fp32"
     assert f"dtype: {auto} (" in proc.stdout and (auto == "fp32" or cpu.native_bf16())
     # bad input: one clear line, before any model is loaded
-    proc = subprocess.run(cmd[:3] + [str(tmp_path / "missing.pt")], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(cmd[:3] + [str(tmp_path / "missing.pt")], capture_output=True, text=True, env=env,
+                          timeout=300)
     assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: -m ")
 
 

@@ -18,13 +18,14 @@ import torch
 from conftest import LIMIT, REPO, TORCHRUN, clean_env, make_shards, read_log, run_launched, run_train, tiny_run_args
 
 sys.path.insert(0, REPO)
-from plumbing import cpu, speedups  # noqa: E402
+from compute import cpu, speedups  # noqa: E402
 
 HAVE_IPEX = importlib.util.find_spec("intel_extension_for_pytorch") is not None
 # a learnable task: tokens drawn from 64 ids, so the loss falls from ln(50304) = 10.8 towards ln(64) = 4.2
 # bf16 where IPEX can run it (its bf16 weights need AVX-512 or AVX-NE-CONVERT), else fp32
 BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-LEARN = ["--dtype", "bf16" if BF16 else "fp32", "--max_steps", "6", "--max_lr", "1e-2", "--min_lr", "1e-3", "--warmup_steps", "1"]
+LEARN = ["--dtype", "bf16" if BF16 else "fp32", "--max_steps", "6", "--max_lr", "1e-2", "--min_lr", "1e-3",
+         "--warmup_steps", "1"]
 REL_TOL = 1e-2
 
 
@@ -63,7 +64,8 @@ def test_ipex_on_without_ipex_fails_clearly(data, tmp_path):
 
 def test_ipex_trains_like_the_plain_trainer(runs):
     (off_dir, off), (on_dir, on) = runs["off"], runs["on"]
-    assert "ipex: intel_extension_for_pytorch 2.8" in on.stdout and f"optimize(dtype=torch.{'bfloat16' if BF16 else 'float32'})" in on.stdout
+    assert ("ipex: intel_extension_for_pytorch 2.8" in on.stdout
+            and f"optimize(dtype=torch.{'bfloat16' if BF16 else 'float32'})" in on.stdout)
     assert "ipex:" not in off.stdout
     plain, ipex = read_log(off_dir, "train"), read_log(on_dir, "train")
     assert sorted(ipex) == list(range(6))
@@ -105,7 +107,7 @@ def test_checkpoint_crosses_between_ipex_and_plain(runs, tmp_path, saved, resume
 def test_state_dict_round_trip(data):
     """In one process: a plain model's state loads into an IPEX-optimized one and back, unchanged."""
     ipex = pytest.importorskip("intel_extension_for_pytorch")
-    from train_gpt2 import GPT, GPTConfig
+    from model import GPT, GPTConfig
     config = GPTConfig(block_size=64, vocab_size=128, n_layer=2, n_head=2, n_embd=32)
     torch.manual_seed(0)
     plain = GPT(config)
@@ -121,7 +123,8 @@ def test_state_dict_round_trip(data):
     model.load_state_dict(state)
     optimizer, _ = model.configure_optimizer(0.1, 1e-2, "cpu")
     optimizer.load_state_dict(opt_state)
-    model, optimizer = ipex.optimize(model, optimizer=optimizer, dtype=torch.bfloat16 if BF16 else torch.float32, inplace=True)
+    model, optimizer = ipex.optimize(model, optimizer=optimizer, dtype=torch.bfloat16 if BF16 else torch.float32,
+                                     inplace=True)
     # the IPEX model reports the exact fp32 weights it was given, in the plain layout
     back = model.state_dict()
     assert list(back) == list(state)
@@ -142,7 +145,7 @@ def test_state_dict_round_trip(data):
     assert fresh_opt.state_dict()["state"][0]["step"].item() == 2
 
 
-@pytest.mark.xdist_group("multiprocess")
+@pytest.mark.xdist_group("multiprocess-2")
 def test_ipex_with_two_ranks(data, runs, tmp_path):
     """IPEX under DDP (ipex.optimize before the DDP wrap): the ranks end identical, close to one process."""
     log_dir = tmp_path / "log"
@@ -153,14 +156,17 @@ def test_ipex_with_two_ranks(data, runs, tmp_path):
         assert close(two[step], one[step]), (one, two)
 
 
-# GPT-2's width, where IPEX 2.8's bf16 weight gradients go wrong on AMX past ~2,500 rows a micro-step (plumbing/speedups.py)
+# GPT-2's width, where IPEX 2.8's bf16 weight gradients go wrong on AMX past ~2,500 rows a micro-step
+# (compute/speedups.py)
 WIDE = ["--n_layer", "1", "--n_head", "12", "--n_embd", "768", "--block_size", "1024", "--seq_len", "1024",
         "--max_steps", "1", "--eval_interval", "0", "--checkpoint_interval", "0", "--threads", "2"]
 needs_bf16 = pytest.mark.skipif(not BF16, reason="IPEX runs bf16 only with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT")
-needs_ipex = pytest.mark.skipif(not HAVE_IPEX, reason="needs intel_extension_for_pytorch (and its torch 2.8): .ci/intel-lane")
+needs_ipex = pytest.mark.skipif(not HAVE_IPEX,
+                                reason="needs intel_extension_for_pytorch (and its torch 2.8): .ci/intel-lane")
 # IPEX's bf16 gradient defects are in its AMX kernels: on AMD Zen 4 and 5 (AVX512-BF16, no AMX) its gradients are right
-needs_amx = pytest.mark.skipif(not cpu.has_amx(), reason="IPEX 2.8's bf16 gradients were measured wrong only with AMX, "
-                                                         "which this CPU lacks (the fake-IPEX tests check the refusal here)")
+needs_amx = pytest.mark.skipif(not cpu.has_amx(),
+                               reason="IPEX 2.8's bf16 gradients were measured wrong only with AMX, "
+                                      "which this CPU lacks (the fake-IPEX tests check the refusal here)")
 
 
 def wide_shards(tmp_path):
@@ -168,8 +174,8 @@ def wide_shards(tmp_path):
 
 
 def fake_ipex(folder, scale):
-    """A stand-in for intel_extension_for_pytorch, installed in `folder` (put it first on PYTHONPATH): its version is this
-    torch's, so the trainer takes it, and its optimize() returns the model with every gradient of the MLP's first
+    """A stand-in for intel_extension_for_pytorch, installed in `folder` (put it first on PYTHONPATH): its version is
+    this torch's, so the trainer takes it, and its optimize() returns the model with every gradient of the MLP's first
     weight multiplied by `scale`. scale 1 is an IPEX that trains right; any other, one that gets a gradient wrong:
     the gradient check's refusal, tested on any CPU."""
     version = torch.__version__.split("+")[0]
@@ -184,7 +190,8 @@ def fake_ipex(folder, scale):
         "    return model if optimizer is None else (model, optimizer)\n")
     metadata = folder / f"intel_extension_for_pytorch-{version}.dist-info"  # (find_ipex reads the installed version)
     metadata.mkdir()
-    (metadata / "METADATA").write_text(f"Metadata-Version: 2.1\nName: intel_extension_for_pytorch\nVersion: {version}\n")
+    (metadata / "METADATA").write_text("Metadata-Version: 2.1\nName: intel_extension_for_pytorch\n"
+                                       f"Version: {version}\n")
     return {"PYTHONPATH": os.pathsep.join([str(folder), REPO])}
 
 
@@ -197,8 +204,9 @@ def test_ipex_on_refuses_a_fake_ipex_that_gets_a_gradient_wrong(tmp_path):
     proc = run_train([*args, "--log_dir", tmp_path / "on", "--ipex", "on"], env=wrong, check=False, timeout=LIMIT)
     assert proc.returncode == 1 and "step " not in proc.stdout, proc.stdout[-2000:]
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: --ipex on: IPEX {torch.__version__.split('+')[0]}'s fp32 gradients are wrong at this run's 1 x 512 rows "
-        "a micro-step: a block's mlp.c_fc.weight off by 200% against PyTorch's; pass a smaller --batch_size, or --ipex off")
+        f"error: --ipex on: IPEX {torch.__version__.split('+')[0]}'s fp32 gradients are wrong at this run's "
+        "1 x 512 rows a micro-step: a block's mlp.c_fc.weight off by 200% against PyTorch's; "
+        "pass a smaller --batch_size, or --ipex off")
     out = run_train([*args, "--log_dir", tmp_path / "auto", "--ipex", "auto"], env=wrong, timeout=LIMIT).stdout
     assert "ipex: not used: IPEX" in out and "mlp.c_fc.weight off by 200%" in out and "step     0 |" in out
     right = fake_ipex(tmp_path / "right", scale=1.0)
@@ -207,8 +215,9 @@ def test_ipex_on_refuses_a_fake_ipex_that_gets_a_gradient_wrong(tmp_path):
 
 
 def test_a_compiled_run_leaves_ipex_unimported(tmp_path, monkeypatch):
-    """Importing IPEX 2.8 breaks torch 2.8's compiled attention backward (test_torch_2_8_compiles_the_bf16_step_at_gpt2_width),
-    so --ipex auto in a compiled run neither imports it nor times it, and says so; --ipex on and --no-compile import it."""
+    """Importing IPEX 2.8 breaks torch 2.8's compiled attention backward
+    (test_torch_2_8_compiles_the_bf16_step_at_gpt2_width), so --ipex auto in a compiled run neither imports it nor
+    times it, and says so; --ipex on and --no-compile import it."""
     fake_ipex(tmp_path, scale=1.0)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "intel_extension_for_pytorch", raising=False)
@@ -231,15 +240,16 @@ def test_why_ipex_does_not_train_bf16_at_gpt2_width():
     (fused loss, tied weight) with ipex.optimize give each block's first LayerNorm a bias gradient >10% off PyTorch's
     (which equals fp32's), every other parameter within 2%, at 2,048 rows; at 4,096 rows its Linear weight gradients
     are several times too large, and the block check the trainer runs catches that. If an IPEX release fixes these,
-    this fails, and the policy in plumbing/speedups.py (decide_ipex) can be revisited."""
+    this fails, and the policy in compute/speedups.py (decide_ipex) can be revisited."""
     ipex = pytest.importorskip("intel_extension_for_pytorch")
-    from train_gpt2 import GPT, GPTConfig
+    from model import GPT, GPTConfig
     torch.manual_seed(0)
     config = GPTConfig(block_size=1024, vocab_size=50304, n_layer=2, n_head=12, n_embd=768)
     state = GPT(config).state_dict()
     error, name = speedups.ipex_gradient_error(ipex, GPT(config).transformer.h[0], 4, 1024, "bf16")
     assert error > 1.0 and name.startswith("mlp."), (error, name)  # (measured: 4.7, mlp.c_fc.weight)
-    assert speedups.ipex_gradient_error(ipex, GPT(config).transformer.h[0], 2, 1024, "bf16")[0] <= speedups.IPEX_GRAD_TOLERANCE
+    assert (speedups.ipex_gradient_error(ipex, GPT(config).transformer.h[0], 2, 1024, "bf16")[0]
+            <= speedups.IPEX_GRAD_TOLERANCE)
     x, y = torch.randint(0, 50257, (2, 1024)), torch.randint(0, 50257, (2, 1024))
     norms = {}
     for use_ipex in (False, True):
@@ -253,7 +263,8 @@ def test_why_ipex_does_not_train_bf16_at_gpt2_width():
         loss.backward()
         norms[use_ipex] = {n: p.grad.float().norm().item() for n, p in model.named_parameters() if p.grad is not None}
     off = {name: abs(norms[True][name] / plain - 1) for name, plain in norms[False].items()}
-    assert {name for name, err in off.items() if err > 0.1} == {"transformer.h.0.ln_1.bias", "transformer.h.1.ln_1.bias"}
+    assert ({name for name, err in off.items() if err > 0.1}
+            == {"transformer.h.0.ln_1.bias", "transformer.h.1.ln_1.bias"})
     assert all(err <= 0.02 for name, err in off.items() if ".ln_1." not in name), off
 
 
@@ -266,7 +277,7 @@ def test_ipex_on_follows_the_gradient_check_at_gpt2_width(tmp_path):
     times too large): one error line before any step, and --ipex auto trains without IPEX and says why. Right (AMD Zen 4
     and 5): --ipex on trains."""
     ipex = pytest.importorskip("intel_extension_for_pytorch")
-    from train_gpt2 import GPT, GPTConfig
+    from model import GPT, GPTConfig
     torch.manual_seed(0)
     block = GPT(GPTConfig(block_size=1024, vocab_size=50304, n_layer=1, n_head=12, n_embd=768)).transformer.h[0]
     error, name = speedups.ipex_gradient_error(ipex, block, 4, 1024, "bf16")
@@ -301,8 +312,8 @@ def test_ipex_auto_in_bf16_follows_the_policy(tmp_path):
     if cpu.has_amx():
         assert line.startswith("ipex: not used: on a CPU with AMX its bf16 gradients were measured wrong"), line
     else:
-        times = re.fullmatch(r"ipex: (used|not used): a block's forward and backward took (\d+) ms with IPEX vs (\d+) ms "
-                             r"plain \(--ipex on\|off forces it\)", line)
+        times = re.fullmatch(r"ipex: (used|not used): a block's forward and backward took (\d+) ms with IPEX "
+                             r"vs (\d+) ms plain \(--ipex on\|off forces it\)", line)
         assert times, line
         assert (times[1] == "used") == (int(times[2]) < int(times[3])) or times[2] == times[3], line
     assert "step     0 |" in out
@@ -313,9 +324,10 @@ def test_ipex_auto_in_bf16_follows_the_policy(tmp_path):
 @pytest.mark.parametrize("ipex_mode", ["off", "auto"])
 def test_torch_2_8_compiles_the_bf16_step_at_gpt2_width(tmp_path, ipex_mode):
     """torch 2.8's compiler fused the chunked loss's `fp32 += bf16 product` into an addmm of mixed dtypes, which failed
-    at the first step ("self and mat2 must have the same dtype") at 4,096 positions of GPT-2's width (plumbing/fused_loss.py).
-    With --ipex auto too: once IPEX 2.8 is imported, the compiled attention backward fails at the first step
-    ("TypeError: expected Tensor() for op: ..._flash_attention_for_cpu_backward"), so a compiled run leaves it out."""
+    at the first step ("self and mat2 must have the same dtype") at 4,096 positions of GPT-2's width
+    (compute/fused_loss.py). With --ipex auto too: once IPEX 2.8 is imported, the compiled attention backward fails at
+    the first step ("TypeError: expected Tensor() for op: ..._flash_attention_for_cpu_backward"), so a compiled run
+    leaves it out."""
     out = run_train([*wide_shards(tmp_path), "--log_dir", tmp_path / "log", "--batch_size", "4", "--total_batch_size",
                      "4096", *WIDE, "--dtype", "bf16", "--ipex", ipex_mode], env={"TORCH_COMPILE_DISABLE": "0"},
                     timeout=LIMIT).stdout

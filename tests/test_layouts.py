@@ -1,12 +1,12 @@
-"""--parallel auto (plumbing/layouts.py): what each layout holds and sends, the prediction, the choice, and runs."""
+"""--parallel auto (parallel/layouts.py): what each layout holds and sends, the prediction, the choice, and runs."""
 import re
 
 import pytest
 
-from conftest import (RECORDING_RANK, REPO, clean_env, final_weights_diff, make_shards, read_log, run_launched, run_train,
-                      tiny_run_args, torchrun)
-from plumbing import layouts, tensor_parallel, world
-from train_gpt2 import GPTConfig, PADDED_VOCAB_SIZE
+from conftest import (RECORDING_RANK, REPO, clean_env, final_weights_diff, make_shards, read_log, run_launched,
+                      run_train, tiny_run_args, torchrun)
+from parallel import layouts, mesh, sizes, tensor_parallel
+from model import GPTConfig, PADDED_VOCAB_SIZE
 
 GPT2 = GPTConfig(block_size=1024, vocab_size=PADDED_VOCAB_SIZE, n_layer=12, n_head=12, n_embd=768)
 EQUAL = ["--batch_size", "2", "--total_batch_size", "384", "--n_layer", "4"]
@@ -26,7 +26,7 @@ def planned(config=GPT2, world=3, rows=1, seq_len=256, tokens=6144, bf16=False):
 
 def test_what_each_layout_holds_and_sends():
     p = planned()
-    P = layouts.parameters(GPT2)[0]
+    P = sizes.parameters(GPT2)[0]
     assert abs(P - 124.48e6) < 0.1e6  # GPT-2 (124M) with the padded vocabulary, lm_head tied
     # memory: DDP holds everything; ZeRO-2 shards AdamW's state and keeps the weights whole for the step; FSDP shards
     # the weights too, but both keep the gradients whole until the last micro-step (gradient sync off before it):
@@ -49,7 +49,7 @@ def test_what_each_layout_holds_and_sends():
     b = planned(bf16=True)
     assert b["fsdp"].sent == pytest.approx(2 / 3 * (2 * 8 * 2 * P + 2 * 4 * P))
     # bf16 activations are smaller; autocast's bf16 copy of the weights is not (layouts.beyond_state)
-    copies = layouts.beyond_state(P, 1, GPT2, True) - layouts.beyond_state(P, 1, GPT2, False)
+    copies = sizes.beyond_state(P, 1, GPT2, True) - sizes.beyond_state(P, 1, GPT2, False)
     assert copies == 2 * P and b["dp"].memory - copies < p["dp"].memory
 
 
@@ -59,7 +59,7 @@ def test_sharded_layouts_plan_whole_gradients_while_they_accumulate():
     # gradient whole (its temporaries): however many ranks share the state, FSDP and ZeRO-2 each hold 4 + 2 bytes a
     # parameter beyond their shares. (Measured, GPT-2 medium's shape on 2 ranks, bf16: FSDP 6.26 GiB, ZeRO-2 5.63;
     # the plan that had them sharded too was 1.27x and 1.26x under.)
-    P = layouts.parameters(GPT2)[0]
+    P = sizes.parameters(GPT2)[0]
     for bf16 in (False, True):
         two, eight = (planned(world=w, tokens=w * 2 * 256, bf16=bf16) for w in (2, 8))  # 2 micro-steps a rank
         one = planned(world=8, tokens=8 * 256, bf16=bf16)  # 1: each gradient reduce-scattered as the backward makes it
@@ -98,7 +98,10 @@ def test_sharded_stages_and_pp_x_tp_are_candidates_planned_as_they_run():
     assert {"--pp 2", "--pp 2 --shard grads", "--pp 2 --shard full", "--pp 2 --tp 2", "--pp 4", "--tp 2"} <= set(four)
     assert "--pp 4 --shard grads" not in four and "--pp 2 --tp 4" not in four  # (no replicas; tp 4 crosses nodes)
     XL = GPTConfig(block_size=1024, vocab_size=50304, n_layer=48, n_head=25, n_embd=1600)
-    plan = lambda l, world=8: layouts.plan(l, XL, world, 1, 1024, 64 // (world // (l.pp * l.tp)), True)  # noqa: E731
+
+    def plan(l, world=8):
+        return layouts.plan(l, XL, world, 1, 1024, 64 // (world // (l.pp * l.tp)), True)
+
     whole, grads, full = (plan(layouts.Layout("pp", shard, 2)) for shard in ("none", "grads", "full"))
     stage = layouts.stage_split.stage_plan(XL, whole.bounds, 1, 1024, 16, 4, "grads", True)
     params = max(p for _, p, _ in stage)  # the busiest stage's (the same stage in every plan: the ends are alike)
@@ -108,7 +111,7 @@ def test_sharded_stages_and_pp_x_tp_are_candidates_planned_as_they_run():
     # pp 2 x tp 2: each stage's blocks split; its block timed as tp runs it; lm_head whole on each of its ranks
     split = plan(layouts.Layout("pp", "none", 2, 2), 4)
     assert split.memory < plan(layouts.Layout("pp", "none", 2), 4).memory and split.sent_in_blocks > 0
-    split.block = 0.03
+    split.block_seconds = 0.03
     layouts.predict(split, XL, 4, 1024, 64, 0.05, (1e12, 0.0))
     head = layouts.stage_split.stage_costs(XL, 1024)[1] / layouts.stage_split.stage_costs(XL, 1024)[0] * 0.05
     (a, b), (c, d) = split.bounds
@@ -139,16 +142,16 @@ def test_ranks_crowding_a_nodes_cores_lend_a_pipelines_idle_time():
 
 def test_sharded_layouts_predict_their_timed_embeddings_and_loss():
     """Sharded runs give freed memory back to the OS, so their vocabulary-sized temporaries page-fault in afresh every
-    micro-step: measured, GPT-2 medium's shape on 2 ranks, the embeddings and loss took 1.31 s (ZeRO-2) and 2.01 s (FSDP)
-    a micro-step against the 0.59 s their FLOPs give, and ZeRO-2, predicted at 17.7 s, ran 23-25 s. The timed head
-    replaces the FLOPs' share on every rank that computes it (a sharded pipeline's last stage), and FSDP's gathers of the
-    embeddings, inside that time, are not sent over the link again."""
+    micro-step: measured, GPT-2 medium's shape on 2 ranks, the embeddings and loss took 1.31 s (ZeRO-2) and 2.01 s
+    (FSDP) a micro-step against the 0.59 s their FLOPs give, and ZeRO-2, predicted at 17.7 s, ran 23-25 s. The timed
+    head replaces the FLOPs' share on every rank that computes it (a sharded pipeline's last stage), and FSDP's gathers
+    of the embeddings, inside that time, are not sent over the link again."""
     p, link = planned(world=4, tokens=4 * 2 * 256), (1.25e8, 0.0)
     block_cost, head_cost = layouts.stage_split.stage_costs(GPT2, 256)
     for name in ("fsdp", "fsdp_grads", "pp2grads", "pp2full"):
         layout, micro = p[name], micro_steps(p[name], world=4, tokens=4 * 2 * 256)
         flops = layouts.predict(layout, GPT2, 4, 256, micro, 0.1, link).seconds
-        layout.head = 3.0
+        layout.head_seconds = 3.0
         timed = layouts.predict(layout, GPT2, 4, 256, micro, 0.1, link).seconds
         stages = layout.bounds or [(0, GPT2.n_layer)]
         def busiest(head):  # a micro-step on the busiest rank: the whole model's, or the slowest stage's
@@ -160,26 +163,29 @@ def test_sharded_layouts_predict_their_timed_embeddings_and_loss():
 
 
 def test_auto_times_each_piece_under_the_memory_policy_of_its_run(monkeypatch):
-    """train_gpt2.py keeps freed memory (cpu.keep_freed_memory) for DDP, pipelines and TP, not for sharded runs: the plain
-    and TP blocks are timed with it kept (a plain block ran 1.11x slower without, GPT-2 medium's shape, AMD EPYC Zen 4),
-    then glibc's policy is given back and FSDP's and ZeRO-2's blocks and the sharded heads are timed under it."""
+    """train_gpt2.py keeps freed memory (cpu.keep_freed_memory) for DDP, pipelines and TP, not for sharded runs: the
+    plain and TP blocks are timed with it kept (a plain block ran 1.11x slower without, GPT-2 medium's shape, AMD EPYC
+    Zen 4), then glibc's policy is given back and FSDP's and ZeRO-2's blocks and the sharded heads are timed under
+    it."""
     from types import SimpleNamespace
     from contextlib import nullcontext
     kept, timed = [False], []
     monkeypatch.setattr(layouts.cpu, "keep_freed_memory", lambda keep=True: kept.__setitem__(0, keep))
-    monkeypatch.setattr(layouts.torch.distributed, "all_gather_object", lambda out, obj: out.__setitem__(slice(None), [obj] * len(out)))
     monkeypatch.setattr(layouts, "crowding", lambda ranks: 1.0)
     monkeypatch.setattr(layouts, "measure_network", lambda ranks, nodes: (1.25e9, 50e-6))
     def block(make_block, *args, layout=None, **kwargs):
         timed.append((layout.short() if layout else "plain", kept[0]))
         return 0.1
     monkeypatch.setattr(layouts, "time_block", block)
-    monkeypatch.setattr(layouts, "time_head", lambda make_head, *args: timed.append((args[-3] + " head", kept[0])) or 0.8)
+    monkeypatch.setattr(layouts, "time_head",
+                        lambda make_head, *args: timed.append((args[-3] + " head", kept[0])) or 0.8)
     p = planned(world=2, tokens=2 * 2 * 256)
     free = 1.05 * max(l.memory for name, l in p.items() if name != "dp") / layouts.HEADROOM
     monkeypatch.setattr(layouts, "free_memory", lambda ranks, max_memory: free)
-    args = SimpleNamespace(batch_size=1, seq_len=256, total_batch_size=2 * 2 * 256, max_memory=None, tp=1, compile=False)
-    chosen, line = layouts.decide(args, GPT2, SimpleNamespace(world_size=2), False, nullcontext(), (None, None))
+    args = SimpleNamespace(batch_size=1, seq_len=256, total_batch_size=2 * 2 * 256, max_memory=None, tp=1,
+                           compile=False)
+    ranks = SimpleNamespace(world_size=2, gather=lambda obj: [obj] * 2)  # (two ranks of one node)
+    chosen, line = layouts.decide(args, GPT2, ranks, False, nullcontext(), (None, None))
     assert timed == [("plain", True), ("tp 2", True), ("fsdp", False), ("full head", False), ("fsdp_grads", False),
                      ("grads head", False)], timed
     assert "embeddings and loss 800 ms (--shard full); embeddings and loss 800 ms (--shard grads)" in line
@@ -189,7 +195,7 @@ def test_crowding_counts_every_rank_on_the_machine_whatever_its_hostname():
     """Ranks on one machine (one kernel boot id) share its cores even under hostnames of their own (containers,
     bench_parallel.py's namespaces as nodes): 4 ranks of a thread each on one core crowd it 4x, not 2x per hostname
     (seen: the 4-rank benchmark's pipeline predicted 1.6x its measured step while each 'node' counted 1x)."""
-    from plumbing import cluster
+    from parallel import cluster
     one_core = [0]
     everyone = [("m1", one_core, 1)] * 4 + [("m2", one_core, 8)]
     assert cluster.threads_a_core(everyone, "m1") == 4.0 and cluster.threads_a_core(everyone, "m2") == 8.0
@@ -199,11 +205,11 @@ def test_crowding_counts_every_rank_on_the_machine_whatever_its_hostname():
 def test_nodes_from_hostnames_keep_tensor_parallel_inside_one():
     """Ranks grouped by hostname; TP only where its groups (consecutive ranks) share a node; TP's bytes over the link
     inside a node, the rest over the one across nodes."""
-    assert world.nodes_of(["a", "a", "b", "b"]) == [[0, 1], [2, 3]]
-    assert world.nodes_of(["b", "a", "b"]) == [[0, 2], [1]]
-    assert world.describe_nodes([[0, 1], [2, 3]]) == "2 nodes x 2 ranks"
-    assert world.describe_nodes([[0], [1], [2]]) == "3 nodes x 1 rank"
-    assert world.describe_nodes([[0, 1, 2]]) == "1 node x 3 ranks"
+    assert mesh.nodes_of(["a", "a", "b", "b"]) == [[0, 1], [2, 3]]
+    assert mesh.nodes_of(["b", "a", "b"]) == [[0, 2], [1]]
+    assert mesh.describe_nodes([[0, 1], [2, 3]]) == "2 nodes x 2 ranks"
+    assert mesh.describe_nodes([[0], [1], [2]]) == "3 nodes x 1 rank"
+    assert mesh.describe_nodes([[0, 1, 2]]) == "1 node x 3 ranks"
     config = GPTConfig(block_size=64, vocab_size=PADDED_VOCAB_SIZE, n_layer=2, n_head=4, n_embd=32)
     def tp_degrees(hostnames):
         return [l.tp for l in layouts.candidates(config, len(hostnames), lambda pp: True, hostnames=hostnames)
@@ -214,24 +220,26 @@ def test_nodes_from_hostnames_keep_tensor_parallel_inside_one():
     assert tp_degrees(["a", "b", "c"]) == [] and tp_degrees(["a"] * 3) == []  # (3 does not divide the 4 heads)
     assert [l.short() for l in layouts.candidates(config, 4, lambda pp: True, hostnames=["a", "b", "c", "d"])
             if l.pp > 1] == ["pp 2", "pp 2 grads", "pp 2 full", "pp 4"]  # pipelines and data parallel across nodes
-    # tp 2 x dp 2: the activations' all-reduces are inside its block's time, timed as it runs; the gradients' over the link
+    # tp 2 x dp 2: the activations' all-reduces are inside its block's time, timed as it runs; the gradients' over
+    # the link
     tp = layouts.plan(layouts.Layout("tp", "none", 1, 2), config, 4, 2, 32, 3, False)
     tp_bytes = tensor_parallel.rank_plan(config, 2, 2, 2, 32, 3, "fp32")[1]
     assert tp.sent_in_blocks == tp_bytes and tp.sent > tp_bytes
     layouts.predict(tp, config, 4, 32, 3, 0.0, (1e8, 0.0))
     assert tp.seconds == pytest.approx(tp.sent / 1e8)  # untimed: every byte over the link
-    tp.block = 0.01
+    tp.block_seconds = 0.01
     layouts.predict(tp, config, 4, 32, 3, 0.0, (1e8, 0.0))
     assert tp.seconds == pytest.approx(3 * 2 * 0.01 + (tp.sent - tp_bytes) / 1e8)
 
 
 TIMED = RECORDING_RANK + r'''
 from contextlib import nullcontext
-from train_gpt2 import Block, GPTConfig
-from plumbing import cluster, layouts
+from model import Block, GPTConfig
+from parallel import cluster, layouts
 config = GPTConfig(block_size=16, vocab_size=128, n_layer=2, n_head=4, n_embd=64)
 out = {}
-for layout in (layouts.Layout("fsdp", "full", 1), layouts.Layout("fsdp_grads", "grads", 1), layouts.Layout("tp", "none", 1, 2)):
+for layout in (layouts.Layout("fsdp", "full", 1), layouts.Layout("fsdp_grads", "grads", 1),
+               layouts.Layout("tp", "none", 1, 2)):
     layouts.plan(layout, config, 2, 2, 16, 3, False)
     seen.clear()
     with Record():
@@ -240,17 +248,17 @@ for layout in (layouts.Layout("fsdp", "full", 1), layouts.Layout("fsdp_grads", "
     out[layout.name] = {"seen": list(seen), "a_block": layout.sent_in_blocks / (3 * config.n_layer)}
 if dist.get_rank() == 0:
     print(json.dumps(out))
-from plumbing import world
+from parallel import world
 world.leave_process_group()
 '''
 
 
-@pytest.mark.xdist_group("multiprocess")
+@pytest.mark.xdist_group("multiprocess-2")
 def test_fsdp_zero2_and_tp_blocks_are_timed_with_their_collectives(tmp_path):
-    """The blocks --parallel auto times for FSDP, ZeRO-2 and TP (2 ranks, 2 turns) send what the plan counts inside their time:
-    FSDP gathers the block's weights for its forward and again for its backward, and reduce-scatters nothing (the
-    gradients' once a step goes over the link: seen failing, a reduce-scatter a turn, with the block's gradients
-    synced); TP all-reduces the activations twice forward and twice backward."""
+    """The blocks --parallel auto times for FSDP, ZeRO-2 and TP (2 ranks, 2 turns) send what the plan counts inside
+    their time: FSDP gathers the block's weights for its forward and again for its backward, and reduce-scatters
+    nothing (the gradients' once a step goes over the link: seen failing, a reduce-scatter a turn, with the block's
+    gradients synced); TP all-reduces the activations twice forward and twice backward."""
     import json
     import subprocess
     script = tmp_path / "timed.py"
@@ -263,7 +271,8 @@ def test_fsdp_zero2_and_tp_blocks_are_timed_with_their_collectives(tmp_path):
     assert {f for f, _ in fsdp} == {"c10d._allgather_base_.default"}, fsdp  # (a reduce-scatter would show here)
     assert len(fsdp) % 2 == 0 and len(fsdp) >= 8, len(fsdp)  # warm-up, sizing and 2 turns: 2 gathers a pass
     # a pass sends the gathered block's bytes (on 2 ranks, a ring all-gather sends half of it, twice)
-    assert len({b for _, b in fsdp}) == 1 and fsdp[0][1] == pytest.approx(out["fsdp"]["a_block"]), (fsdp[0], out["fsdp"])
+    assert (len({b for _, b in fsdp}) == 1
+            and fsdp[0][1] == pytest.approx(out["fsdp"]["a_block"])), (fsdp[0], out["fsdp"])
     # ZeRO-2 gathers the block once (its first pass) and keeps it; its gradients accumulate whole: nothing else sent
     grads = [(f, b) for f, b in out["fsdp_grads"]["seen"] if "barrier" not in f and b > 8]
     assert [f for f, _ in grads] == ["c10d._allgather_base_.default"], grads
@@ -278,7 +287,7 @@ def data(tmp_path_factory):
 
 
 
-@pytest.mark.xdist_group("multiprocess")
+@pytest.mark.xdist_group("multiprocess-2")
 def test_auto_keeps_ddp_where_it_fits_and_picks_and_trains_another_where_not(data, tmp_path):
     # fits: DDP as always (which trains one process's model: test_distributed.py), and the line says why
     single = tmp_path / "auto"
@@ -291,7 +300,8 @@ def test_auto_keeps_ddp_where_it_fits_and_picks_and_trains_another_where_not(dat
     free = 1.02 * min(l.memory for l in p.values() if l.memory < p["dp"].memory) / layouts.HEADROOM
     assert p["dp"].memory > layouts.HEADROOM * free
     short = tmp_path / "short"
-    proc = run_launched(tiny_run_args(data, short, *EQUAL, "--max_memory", f"{free / 2**30:.6f}"), torchrun(2), clean_env())
+    proc = run_launched(tiny_run_args(data, short, *EQUAL, "--max_memory", f"{free / 2**30:.6f}"), torchrun(2),
+                        clean_env())
     line = re.search(r"parallel: (.*) \(predicted; link (\d+) MB/s, .*runner-up (.*)", proc.stdout)
     assert line and "DDP would need" in proc.stdout, proc.stdout
     runs = {"FSDP (--shard full)": "weights, gradients and AdamW state", "ZeRO-2 (--shard grads)": "(ZeRO-2)",
@@ -303,19 +313,21 @@ def test_auto_keeps_ddp_where_it_fits_and_picks_and_trains_another_where_not(dat
 
 
 def test_bad_layout_flags_are_one_line(data, tmp_path):
-    for flags, message in [(["--parallel", "fsdp", "--shard", "full"], "--parallel fsdp sets --shard, --pp and --tp: give it or --shard"),
+    for flags, message in [(["--parallel", "fsdp", "--shard", "full"],
+                            "--parallel fsdp sets --shard, --pp and --tp: give it or --shard"),
                            (["--max_memory", "0"], "--max_memory 0: give a positive number of GiB")]:
         proc = run_train(tiny_run_args(data, tmp_path / "log", *flags), check=False, env=clean_env())
         assert proc.returncode != 0 and f"error: {message}" in proc.stderr + proc.stdout
 
 
-@pytest.mark.xdist_group("multiprocess")
+@pytest.mark.xdist_group("multiprocess-2")
 def test_a_forced_layout_that_cannot_fit_is_one_line(data, tmp_path):
     proc = run_launched(tiny_run_args(data, tmp_path / "log", *EQUAL, "--parallel", "fsdp", "--max_memory", "0.001"),
                         torchrun(2), clean_env(), check=False)
     assert proc.returncode != 0
-    assert re.search(r"error: FSDP \(--shard full\) needs ~0\.\d\d GiB a rank \(training state and activations\), and a "
-                     r"rank has 0\.00 GiB \(--max_memory\)", proc.stdout + proc.stderr), proc.stdout + proc.stderr
+    assert re.search(r"error: FSDP \(--shard full\) needs ~0\.\d\d GiB a rank \(training state and activations\), "
+                     r"and a rank has 0\.00 GiB \(--max_memory\)",
+                     proc.stdout + proc.stderr), proc.stdout + proc.stderr
     assert "model:" not in proc.stdout  # before the model is built
 
 

@@ -14,11 +14,11 @@ from torch.nn import functional as F
 
 import export_hf
 import lora
-import train_gpt2
+from plumbing import checkpoints
 from conftest import (REPO, TORCHRUN, clean_env, make_shards, read_log, run_launched, run_train,
                       save_random_hf_gpt2)
-from plumbing import sharding
-from train_gpt2 import GPT, GPTConfig
+from model import GPT, GPTConfig, load_model
+from parallel import build
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,7 +49,8 @@ def peft_adapters(peft_model):
     return {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
 
 
-def name_in_peft(name):   # transformer.h.0.attn.c_attn.lora_A -> base_model.model.transformer.h.0.attn.c_attn.lora_A.default.weight
+# transformer.h.0.attn.c_attn.lora_A -> base_model.model.transformer.h.0.attn.c_attn.lora_A.default.weight
+def name_in_peft(name):
     return f"base_model.model.{name}.default.weight"
 
 
@@ -140,7 +141,7 @@ def test_merge_gives_a_plain_gpt_with_the_same_outputs():
 
 
 def test_a_frozen_weight_gets_no_gradient_and_x_the_same_one():
-    from plumbing.fused_loss import lm_head_loss
+    from compute.fused_loss import lm_head_loss
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(40, 16, generator=g), torch.randn(100, 16, generator=g)
     y = torch.randint(0, 100, (40,), generator=g)
@@ -159,10 +160,11 @@ def test_a_bf16_base_is_built_a_tensor_at_a_time_with_fp32_adapters():
     torch.manual_seed(3)
     whole = GPT(SMALL)
     torch.manual_seed(3)
-    built = sharding.build_in(torch.bfloat16, make)
+    built = build.build_in(torch.bfloat16, make)
     lora.init_adapters(built, seed=5)
     for name, p in built.named_parameters():
-        assert p.dtype == (torch.float32 if ".lora_" in name else torch.bfloat16) and p.requires_grad == (".lora_" in name)
+        assert (p.dtype == (torch.float32 if ".lora_" in name else torch.bfloat16)
+                and p.requires_grad == (".lora_" in name))
     ours = dict(built.named_parameters())
     for name, p in whole.named_parameters():   # the same values as the fp32 build, rounded once
         assert torch.equal(ours[name], p.detach().to(torch.bfloat16)), name
@@ -229,13 +231,13 @@ def lora_args(data_dir, log_dir, base, *extra):
 def adapters_of(log_dir, step=6):
     """(the adapters a LoRA run's checkpoint of `step` holds, the checkpoint): a .pt, or a .dcp written in parts."""
     import lora
-    from plumbing import parts
+    from parallel import parts
     path = os.path.join(log_dir, f"model_{step:05d}.pt")
     path = path if os.path.exists(path) else path[:-3] + ".dcp"
-    ckpt = train_gpt2.load_checkpoint(path)
+    ckpt = checkpoints.load_checkpoint(path)
     if ckpt["sharded_path"]:
         spec = ckpt["lora"]
-        shapes = lora.adapter_shapes(train_gpt2.GPTConfig(**ckpt["config"]), spec["rank"], spec["targets"])
+        shapes = lora.adapter_shapes(GPTConfig(**ckpt["config"]), spec["rank"], spec["targets"])
         return parts.read_sharded(path, shapes), ckpt
     return ckpt["model"], ckpt
 
@@ -245,7 +247,7 @@ def test_exports_merged_for_transformers_and_as_peft_adapters(base, task, tmp_pa
     from transformers import GPT2LMHeadModel
     run_train(lora_args(task, tmp_path / "log", base))   # packed task rows
     ckpt_file = str(tmp_path / "log" / "model_00006.pt")
-    ours, _ = train_gpt2.load_model(ckpt_file, merge=False)   # base + adapters, unmerged
+    ours, _ = load_model(ckpt_file, merge=False)   # base + adapters, unmerged
     assert lora.adapted(ours) and all(p.abs().max() > 0 for n, p in lora.adapters(ours).items() if "lora_B" in n)
     idx = torch.randint(0, 50257, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -264,10 +266,9 @@ def test_exports_merged_for_transformers_and_as_peft_adapters(base, task, tmp_pa
 
 
 # train_gpt2.py, counting what reads the base: its weights (inputs.copy_pretrained_weights), its file's sha256
-COUNTING_READS = """import sys, lora, train_gpt2
-from plumbing import inputs
+COUNTING_READS = """import sys, lora, model, train_gpt2
 reads = []
-for module, name in ((inputs, "copy_pretrained_weights"), (lora, "base_identity")):
+for module, name in ((model, "copy_pretrained_weights"), (lora, "base_identity")):
     setattr(module, name, lambda *a, real=getattr(module, name), name=name, **k: reads.append(name) or real(*a, **k))
 try:
     train_gpt2.world.run_main(train_gpt2.main)
@@ -282,21 +283,22 @@ def test_resume_is_bit_exact_holds_only_adapters_and_reads_the_base_once(base, t
     assert whole.stdout.count("lora: r 4, alpha 8, 4 targets") == 1
     run_train(lora_args(shards, tmp_path / "cut", base))
     os.remove(tmp_path / "cut" / "model_00006.pt")   # as if stopped after step 3's checkpoint
-    resumed = subprocess.run([sys.executable, "-c", COUNTING_READS, *lora_args(shards, tmp_path / "cut", base, "--resume")],
+    resumed = subprocess.run([sys.executable, "-c", COUNTING_READS,
+                              *lora_args(shards, tmp_path / "cut", base, "--resume")],
                              capture_output=True, text=True, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr
     # its weights read once, its file hashed once (to check it is the base the adapters were trained on)
     assert "base reads: ['base_identity', 'copy_pretrained_weights']" in resumed.stdout
     a, ckpt = adapters_of(tmp_path / "whole")
     b, _ = adapters_of(tmp_path / "cut")
-    assert sorted(a) == sorted(lora.adapters(train_gpt2.load_model(str(tmp_path / "whole" / "model_00006.pt"),
+    assert sorted(a) == sorted(lora.adapters(load_model(str(tmp_path / "whole" / "model_00006.pt"),
                                                                     merge=False)[0]))   # the adapters, nothing more
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert read_log(tmp_path / "whole", "train")[5] == read_log(tmp_path / "cut", "train")[5]
     assert ckpt["lora"]["base"]["name"] == base and len(ckpt["lora"]["base"]["sha256"]) == 64
 
 
-@pytest.mark.xdist_group("multiprocess")
+@pytest.mark.xdist_group("multiprocess-2")
 def test_two_ranks_and_sharded_equal_one_process(base, task, tmp_path):
     run_train(lora_args(task, tmp_path / "one", base, "--total_batch_size", "256"))   # 2 accumulation steps
     for name, extra in (("ddp", []), ("fsdp", ["--shard", "full"])):
@@ -304,13 +306,13 @@ def test_two_ranks_and_sharded_equal_one_process(base, task, tmp_path):
         assert read_log(tmp_path / name, "train").keys() == read_log(tmp_path / "one", "train").keys()
         for step, loss in read_log(tmp_path / "one", "train").items():
             assert abs(read_log(tmp_path / name, "train")[step] - loss) <= 1e-5
-        ours = train_gpt2.load_model(train_gpt2.list_checkpoints(str(tmp_path / name))[-1], merge=False)[0]
-        ref = train_gpt2.load_model(train_gpt2.list_checkpoints(str(tmp_path / "one"))[-1], merge=False)[0]
+        ours = load_model(checkpoints.list_checkpoints(str(tmp_path / name))[-1], merge=False)[0]
+        ref = load_model(checkpoints.list_checkpoints(str(tmp_path / "one"))[-1], merge=False)[0]
         theirs = lora.adapters(ref)
         for k, p in lora.adapters(ours).items():
             torch.testing.assert_close(p, theirs[k], rtol=0, atol=1e-5, msg=f"{name} {k}")
         # merged (a .dcp's adapters read whole, added to the base a layer at a time): the same model
-        merged = train_gpt2.load_model(train_gpt2.list_checkpoints(str(tmp_path / name))[-1])[0].state_dict()
+        merged = load_model(checkpoints.list_checkpoints(str(tmp_path / name))[-1])[0].state_dict()
         for k, p in lora.merge(ref).state_dict().items():
             torch.testing.assert_close(merged[k], p, rtol=0, atol=1e-5, msg=f"{name} merged {k}")
 

@@ -1,4 +1,4 @@
-"""LoRA at its edges (train_gpt2.load_model, plumbing/checkpoints.load_sharded, train_args): a LoRA checkpoint as the
+"""LoRA at its edges (load_model, plumbing/checkpoints.load_sharded, train_args): a LoRA checkpoint as the
 base of another run (full fine-tuning, new adapters, in bf16, sharded), --lora on a sharded (.dcp) base, a resume that
 would change the adapters' targets or scale, --lora_alpha 0, and the default --seq_len capped by the base's context."""
 import contextlib
@@ -9,10 +9,10 @@ import torch
 
 import lora
 import train_args
-import train_gpt2
+from model import load_model
 from conftest import free_port, make_shards, read_log, run_train, save_random_hf_gpt2
-from plumbing import checkpoints, parts, sharding, world
-from train_gpt2 import GPT, GPTConfig
+from parallel import build, parts, world
+from model import GPT, GPTConfig
 
 # one worker builds the LoRA run that most of these tests read (a module fixture is per xdist worker)
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("lora_edges")]
@@ -56,34 +56,35 @@ def with_adapters(config, rank=2, targets=("attn",)):
 
 def test_a_lora_checkpoint_is_the_start_of_full_fine_tuning(lora_run, tmp_path):
     ckpt, _, shards, lora_log = lora_run
-    merged = train_gpt2.load_model(ckpt)[0]
+    merged = load_model(ckpt)[0]
     assert all(p.requires_grad for p in merged.parameters())   # a base like any other: nothing left frozen
     run_train(lora_flags(shards, str(tmp_path / "full"), ckpt, "--lora", "0", "--max_steps", "2",
                          "--checkpoint_interval", "2", "--eval_interval", "2"))
     # its step 0 is the LoRA run's last step: the same model, merged
     assert abs(read_log(tmp_path / "full", "val")[0] - read_log(lora_log, "val")[3]) < 1e-4
-    trained = train_gpt2.load_model(str(tmp_path / "full" / "model_00002.pt"))[0].state_dict()
+    trained = load_model(str(tmp_path / "full" / "model_00002.pt"))[0].state_dict()
     changed = [k for k, p in merged.state_dict().items() if not torch.equal(p, trained[k])]
     assert any(".ln_" in k for k in changed) and any("wte" in k for k in changed)   # every weight trains now
 
 
 def test_a_lora_checkpoint_is_built_as_any_base_in_bf16_and_sharded_with_new_adapters(lora_run):
     ckpt, _, _, _ = lora_run
-    merged = dict(train_gpt2.load_model(ckpt)[0].named_parameters())
-    unmerged = train_gpt2.load_model(ckpt, merge=False)[0]   # the base in fp32, the adapters beside it
+    merged = dict(load_model(ckpt)[0].named_parameters())
+    unmerged = load_model(ckpt, merge=False)[0]   # the base in fp32, the adapters beside it
     expected = {name: p.detach().to(torch.bfloat16) for name, p in unmerged.named_parameters() if ".lora_" not in name}
     for name, linear in lora.adapted(unmerged):   # the base held in bf16, then W + s B A in fp32, rounded once
         delta = linear.lora_scale * linear.lora_B.detach() @ linear.lora_A.detach()
         expected[name + ".weight"] = (expected[name + ".weight"].float() + delta).to(torch.bfloat16)
     def bf16(config, init_weights=False):   # build_model's build for --lora in bf16
-        return sharding.build_in(torch.bfloat16, lambda: with_adapters(config), init_weights)
-    model = train_gpt2.load_model(ckpt, bf16)[0]
+        return build.build_in(torch.bfloat16, lambda: with_adapters(config), init_weights)
+    model = load_model(ckpt, bf16)[0]
     assert [name for name, _ in lora.adapted(model)] == ["transformer.h.0.attn.c_attn", "transformer.h.1.attn.c_attn"]
     for name, p in model.named_parameters():
-        assert p.requires_grad == (".lora_" in name) and p.dtype == (torch.float32 if ".lora_" in name else torch.bfloat16)
+        assert (p.requires_grad == (".lora_" in name)
+                and p.dtype == (torch.float32 if ".lora_" in name else torch.bfloat16))
         assert ".lora_" in name or torch.equal(p, expected[name]), name
     with one_rank_group() as ranks:   # FSDP2: every weight a DTensor, holding the merged values
-        model = train_gpt2.load_model(ckpt, lambda config, init_weights=False: sharding.build_sharded(
+        model = load_model(ckpt, lambda config, init_weights=False: build.build_sharded(
             lambda: GPT(config), ranks, False, init_weights))[0]
         for name, p in model.named_parameters():
             assert p.requires_grad and torch.equal(p.full_tensor(), merged[name]), name
@@ -95,9 +96,9 @@ def test_lora_on_a_sharded_base_reads_the_base(tmp_path):
     path = str(tmp_path / "model_00005.dcp")
     with one_rank_group() as ranks:   # a sharded run's checkpoint, as save_checkpoint writes it (the base: all of it)
         optimizer, _ = full.configure_optimizer(0.1, 1e-3, "cpu")
-        parts.save_sharded(path, parts.state_of(full, optimizer), {"config": vars(SMALL), "step": 5, "task": None, "lora": None},
-                                 ranks)
-    model = train_gpt2.load_model(path, lambda config, init_weights=False: with_adapters(config))[0]
+        parts.save_sharded(path, parts.state_of(full, optimizer),
+                           {"config": vars(SMALL), "step": 5, "task": None, "lora": None}, ranks)
+    model = load_model(path, lambda config, init_weights=False: with_adapters(config))[0]
     assert len(lora.adapted(model)) == 2
     ours = dict(model.named_parameters())
     for name, p in full.named_parameters():

@@ -7,8 +7,9 @@ import torch
 
 import train_args
 import train_gpt2
+from model import tanh_gelu, KVCache
 from conftest import save_random_hf_gpt2
-from train_gpt2 import GPT, GPTConfig
+from model import GPT, GPTConfig
 
 SMALL = GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
 
@@ -60,7 +61,7 @@ def test_architecture_and_init():
     model = GPT(config)
     assert model.lm_head.weight is model.transformer.wte.weight  # tied
     x = torch.randn(1000)
-    assert torch.equal(train_gpt2.tanh_gelu(x), torch.nn.functional.gelu(x, approximate="tanh"))  # (compiled: test_perf)
+    assert torch.equal(tanh_gelu(x), torch.nn.functional.gelu(x, approximate="tanh"))  # (compiled: test_perf)
     for name, p in model.named_parameters():
         if name.endswith("bias"):
             assert torch.all(p == 0), name
@@ -107,7 +108,7 @@ def test_hidden_takes_positions_and_mask():
                               causal & (second[:, None] == second[None, :]))
         torch.testing.assert_close(packed[:, :40], h)
         torch.testing.assert_close(packed[:, 40:], model.hidden(b))
-        cache = train_gpt2.KVCache(SMALL.n_layer, SMALL.block_size)
+        cache = KVCache(SMALL.n_layer, SMALL.block_size)
         model.hidden(a[:, :25], cache=cache)
         torch.testing.assert_close(model.hidden(a[:, 25:], cache=cache), h[:, 25:])
 
@@ -143,8 +144,10 @@ def reference_get_lr(it, max_lr, min_lr, warmup_steps, max_steps):
 def test_lr_schedule_is_build_nanogpts():
     args = train_args.build_parser().parse_args([])
     assert (args.max_lr, args.min_lr, args.warmup_steps, args.max_steps) == (6e-4, 6e-5, 715, 19073)
-    for max_lr, min_lr, warmup, max_steps in [(6e-4, 6e-4 * 0.1, 715, 19073), (6e-4, 6e-5, 715, 19073), (3e-3, 0.0, 10, 60)]:
-        for it in list(range(0, 800)) + list(range(800, max_steps + 40, 37)) + [max_steps - 1, max_steps, max_steps + 1]:
+    for max_lr, min_lr, warmup, max_steps in [(6e-4, 6e-4 * 0.1, 715, 19073), (6e-4, 6e-5, 715, 19073),
+                                              (3e-3, 0.0, 10, 60)]:
+        for it in (list(range(0, 800)) + list(range(800, max_steps + 40, 37))
+                   + [max_steps - 1, max_steps, max_steps + 1]):
             ours = train_gpt2.get_lr(it, warmup, max_steps, max_lr, min_lr)
             assert ours == reference_get_lr(it, max_lr, min_lr, warmup, max_steps), it
 

@@ -1,12 +1,12 @@
-"""Checkpoints written in parts (plumbing/parts.py): a .dcp folder written under each of FSDP (--shard full), a pipeline
-(--pp 2), tensor parallel (--tp 2) and both (--pp 2 --tp 2, 4 ranks), every rank writing its own part in the whole model's
-names, resumes under each layout (its own too) and on one process, continuing the uninterrupted run (losses within 1e-5,
-the same final weights); sample.py and export_hf.py read each. And what a part checkpoint holds: each tensor of the
-whole model once, whole.
+"""Checkpoints written in parts (parallel/parts.py): a .dcp folder written under each of FSDP (--shard full), a pipeline
+(--pp 2), tensor parallel (--tp 2) and both (--pp 2 --tp 2, 4 ranks), every rank writing its own part in the whole
+model's names, resumes under each layout (its own too) and on one process, continuing the uninterrupted run (losses
+within 1e-5, the same final weights); sample.py and export_hf.py read each. And what a part checkpoint holds: each
+tensor of the whole model once, whole.
 
 Every run here has a disk per node, as three cloud VMs do: 2 nodes, each rank's --log_dir a folder only its node sees (a
 private mount: 2 ranks, one a node; 4 ranks, two a node). So each resume under another layout, or on 2 ranks of a
-4-rank checkpoint, reads pieces that another node wrote: they are sent over the process group (plumbing/node_disks.py).
+4-rank checkpoint, reads pieces that another node wrote: they are sent over the process group (parallel/node_disks.py).
 A one-process resume reads a folder the nodes' files were copied into, as one would copy them to a laptop.
 
 The model: 4 blocks of 32 (2 heads: --tp 2 gives each rank one); 384 tokens a step, the same on every layout.
@@ -21,18 +21,19 @@ import sys
 import pytest
 import torch
 
-import train_gpt2
-from conftest import (LIMIT, REPO, can_mount_privately, clean_env, final_weights_diff, make_shards, need, run_ranks,
-                      run_train, tiny_run_args)
-from test_distributed import assert_same_run
+from plumbing import checkpoints
+from model import load_model
+from conftest import (LIMIT, REPO, assert_same_run, can_mount_privately, clean_env, final_weights_diff, need, run_ranks,
+                      run_train, stopped_after_step_3, tiny_run_args)
 
-pytestmark = pytest.mark.xdist_group("multiprocess")
+pytestmark = pytest.mark.xdist_group("multiprocess-2")
 
 TOL = 1e-5
 EQUAL = ["--batch_size", "2", "--total_batch_size", "384", "--n_layer", "4"]
 # each layout's flags, complete (a resumed run takes the others from its checkpoint's arguments), and its ranks
 LAYOUTS = {"one": (1, []), "fsdp": (2, ["--shard", "full", "--pp", "1", "--tp", "1"]),
-           "pp2": (2, ["--pp", "2", "--shard", "none", "--tp", "1"]), "tp2": (2, ["--tp", "2", "--shard", "none", "--pp", "1"]),
+           "pp2": (2, ["--pp", "2", "--shard", "none", "--tp", "1"]),
+           "tp2": (2, ["--tp", "2", "--shard", "none", "--pp", "1"]),
            "pp2tp2": (4, ["--pp", "2", "--tp", "2", "--shard", "none"])}
 WRITERS = ["fsdp", "pp2", "tp2", "pp2tp2"]
 
@@ -44,12 +45,8 @@ def launch(args, layout, folder=None, check=True):
     if ranks == 1:
         return run_train([*args, *flags], env=clean_env(), timeout=LIMIT, check=check)
     need(can_mount_privately(), "a private mount for each rank (root, unshare)")
-    return run_ranks([*args, *flags], ranks, disks=[folder / f"node{r * 2 // ranks}" for r in range(ranks)], check=check)
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return make_shards(tmp_path_factory.mktemp("parts") / "data")
+    return run_ranks([*args, *flags], ranks, disks=[folder / f"node{r * 2 // ranks}" for r in range(ranks)],
+                     check=check)
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +63,10 @@ def runs(data, tmp_path_factory):
     return out
 
 
-def stopped_after_step_3(disks, folder):
+def disks_after_step_3(disks, folder):
     """Copies of the nodes' disks as a run killed after its first checkpoint (step 3) leaves them."""
     for disk in disks:
-        shutil.copytree(disk, folder / disk.name, dirs_exist_ok=True)
-        for f in train_gpt2.list_checkpoints(str(folder / disk.name))[1:]:
-            shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)
+        stopped_after_step_3(disk, folder / disk.name)
     return folder
 
 
@@ -81,8 +76,8 @@ def test_a_part_checkpoint_holds_the_whole_model_once(runs, writer):
     one-process shapes and values a layout-free reader (DCP on one process, no process group) gets back."""
     path = os.path.join(runs[writer], "node0", "model_00006.dcp")
     assert os.path.isdir(path) and not os.path.exists(os.path.join(runs[writer], "node0", "model_00006.pt"))
-    one = train_gpt2.load_checkpoint(os.path.join(runs["one"], "model_00006.pt"))
-    model, _ = train_gpt2.load_model(path)
+    one = checkpoints.load_checkpoint(os.path.join(runs["one"], "model_00006.pt"))
+    model, _ = load_model(path)
     state = model.state_dict()
     for name, value in one["model"].items():
         assert state[name].shape == value.shape and (state[name] - value).abs().max() <= TOL, name
@@ -103,11 +98,18 @@ def test_each_node_keeps_every_file_of_each_checkpoint(runs, writer):
     assert os.listdir(runs[writer] / "log") == []  # (what the ranks saw there is on their disks)
 
 
-@pytest.mark.parametrize("writer", WRITERS)
-@pytest.mark.parametrize("reader", ["one", *WRITERS])
+def reader_and_writer(reader, writer):
+    """The main lane resumes each writer's checkpoint on one process and under the next layout of WRITERS (pieces
+    sent between the disks); the long lane under every other, its own included (each disk reading its own pieces: the
+    kill soak's resumes do that in the main lane)."""
+    main = reader == "one" or WRITERS.index(reader) == (WRITERS.index(writer) + 1) % len(WRITERS)
+    return pytest.param(reader, writer, id=f"{reader}-{writer}", marks=() if main else pytest.mark.long)
+
+
+@pytest.mark.parametrize("reader,writer", [reader_and_writer(r, w) for w in WRITERS for r in ["one", *WRITERS]])
 def test_a_part_checkpoint_resumes_under_every_layout(runs, data, tmp_path, writer, reader):
     disks = [runs[writer] / "node0", runs[writer] / "node1"]
-    resumed = stopped_after_step_3(disks, tmp_path)
+    resumed = disks_after_step_3(disks, tmp_path)
     log_dir = tmp_path / "log"
     if reader == "one":  # the nodes' files in one folder
         for disk in disks:
@@ -126,8 +128,9 @@ def test_a_part_checkpoint_resumes_under_every_layout(runs, data, tmp_path, writ
 def test_a_piece_on_no_disk_is_one_error_line_before_training(runs, tmp_path):
     """A piece of model_00003.dcp lost from both nodes' disks: --resume (the newest whole checkpoint) refuses, naming
     the missing file and how many files each disk holds, before any step, without waiting for --dist_timeout; with
-    model_00006.dcp damaged alike, --resume takes model_00003.dcp and says why; --resume of the damaged one refuses it."""
-    folder = stopped_after_step_3([runs["fsdp"] / "node0", runs["fsdp"] / "node1"], tmp_path)
+    model_00006.dcp damaged alike, --resume takes model_00003.dcp and says why; --resume of the damaged one refuses
+    it."""
+    folder = disks_after_step_3([runs["fsdp"] / "node0", runs["fsdp"] / "node1"], tmp_path)
     piece = sorted(f for f in os.listdir(folder / "node0" / "model_00003.dcp") if f.startswith("__1_"))[-1]
     for node in ("node0", "node1"):
         os.remove(folder / node / "model_00003.dcp" / piece)
@@ -161,7 +164,7 @@ def test_sample_and_export_read_a_part_checkpoint(runs, tmp_path, writer):
     assert export.returncode == 0, export.stderr
     from transformers import GPT2LMHeadModel
     hf = GPT2LMHeadModel.from_pretrained(out).eval()
-    ours = train_gpt2.load_model(str(runs["one"] / "model_00006.pt"))[0].eval()
+    ours = load_model(str(runs["one"] / "model_00006.pt"))[0].eval()
     idx = torch.randint(0, 50257, (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (hf(idx).logits - ours(idx)[0][..., :50257]).abs().max().item()

@@ -16,9 +16,9 @@ import torch._dynamo
 import torch._dynamo.utils
 import torch.nn.functional as F
 
-from plumbing import fused_loss, speedups
+from compute import fused_loss, speedups
 from conftest import HELLASWAG_EXAMPLES, REPO, make_shards, read_log, run_train, tiny_run_args, write_hellaswag
-from train_gpt2 import GPT, GPTConfig
+from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -72,7 +72,7 @@ def test_chunked_loss_equals_cross_entropy_fp32():
 def test_compiled_gelu_is_gpt2s_tanh_gelu(monkeypatch):
     """Compiled, the MLP's GELU is written x * sigmoid(2z), a faster kernel: it must be F.gelu's tanh approximation,
     values and gradients, in fp64 (to rounding) over the range activations take."""
-    from train_gpt2 import tanh_gelu
+    from model import tanh_gelu
     monkeypatch.setattr(torch._dynamo.config, "disable", False)  # conftest.py turns torch.compile off
     x = torch.linspace(-12, 12, 10001, dtype=torch.float64, requires_grad=True)
     compiled = torch.compile(tanh_gelu, backend="inductor", fullgraph=True)
@@ -146,7 +146,8 @@ def test_training_curves_agree(monkeypatch):
     # fp32: the chunked loss, and torch.compile's fused kernels, change only the rounding
     torch._dynamo.utils.counters.clear()
     for compile in (False, True):
-        assert (train_curve(plain=False, compile=compile, autocast=None) - plain).abs().max() <= 1e-5 * plain.abs().max()
+        assert ((train_curve(plain=False, compile=compile, autocast=None) - plain).abs().max()
+                <= 1e-5 * plain.abs().max())
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
     # bf16: the optimized step strays from the fp32 curve no further than twice the plain bf16 step does
     plain_bf16 = train_curve(plain=True, compile=False, autocast=BF16)
@@ -200,7 +201,8 @@ def test_bench_runs_tiny(tmp_path):
     out = proc.stdout
     a_dtype = "bf16" if "A: eager,chunked,keep,bf16," in out else "fp32"
     assert f"A: eager,chunked,keep,{a_dtype},loss_chunk=48,threads=1" in out, out
-    assert f"A  eager,chunked,keep,{a_dtype},loss_chunk=48,threads=1" in out and "B  eager,full,release,fp32,attention=sdpa,threads=1" in out
+    assert (f"A  eager,chunked,keep,{a_dtype},loss_chunk=48,threads=1" in out
+            and "B  eager,full,release,fp32,attention=sdpa,threads=1" in out)
     assert f"; dtype: {a_dtype} (" in out and "; dtype: fp32 (--dtype fp32;" in out  # each worker says why
     assert "cpu: " in out and "native bf16: " in out  # the CPU every figure comes from
     assert f"of this CPU's {a_dtype} matmul rate" in out and "of this CPU's fp32 matmul rate" in out
@@ -270,7 +272,8 @@ def test_bench_workers_die_with_their_parent(tmp_path):
 
 @pytest.mark.parametrize("script, args, check", [
     ("bench_generate.py", ["--new_tokens", "3"], "the same tokens both ways"),
-    ("bench_hellaswag.py", ["--model", "demo", "--rounds", "1", "--batch_sizes", "2"], "all methods picked the same endings"),
+    ("bench_hellaswag.py", ["--model", "demo", "--rounds", "1", "--batch_sizes", "2"],
+     "all methods picked the same endings"),
 ])
 def test_inference_benchmarks_run(script, args, check, tmp_path):
     # run as the README says, from the repository root; each script checks that its ways agree, which
@@ -285,7 +288,7 @@ def test_inference_benchmarks_run(script, args, check, tmp_path):
 
 KEEP_FREED = """
 import resource, sys, torch
-from plumbing import cpu
+from compute import cpu
 if sys.argv[1] in ("keep", "kept, then released"):
     assert cpu.keep_freed_memory()
 if sys.argv[1] == "kept, then released":  # (as --parallel auto does once it has timed the layouts that keep it)

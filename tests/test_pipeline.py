@@ -1,4 +1,4 @@
-"""Pipeline parallel (--pp, plumbing/pipeline.py), proven equal to one process: 2 and 3 stages, 2 replicas x 2 stages,
+"""Pipeline parallel (--pp, parallel/pipeline.py), proven equal to one process: 2 and 3 stages, 2 replicas x 2 stages,
 checkpoints that cross layouts, the stage split, and the layouts refused with one line.
 
 A 4-block tiny model, so that 3 stages have blocks to hold (one stage gets two); 384 tokens a step = 2 rows x 32 tokens
@@ -12,29 +12,17 @@ import sys
 
 import pytest
 
-import train_gpt2
-from conftest import (LIMIT, RECORDING_RANK, REPO, clean_env, final_weights_diff, make_shards, printed_norms, read_log,
-                      run_launched, run_train, stopped_after_step_3, tiny_run_args, torchrun)
-from plumbing import stage_split
-from test_distributed import assert_same_run
+from model import GPTConfig
+from conftest import (LIMIT, RECORDING_RANK, REPO, assert_resumes_across, assert_same_run, clean_env,
+                      final_weights_diff, make_shards, printed_norms, read_log, refused, run_launched, run_rank_script,
+                      run_train, stopped_after_step_3, tiny_run_args, torchrun)
+from parallel import sizes, stage_split
 
 pytestmark = pytest.mark.xdist_group("multiprocess")
 
 TOL = 1e-5
 EQUAL = ["--batch_size", "2", "--total_batch_size", "384", "--n_layer", "4"]
-
-
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return make_shards(tmp_path_factory.mktemp("pp") / "data")
-
-
-@pytest.fixture(scope="module")
-def single(data, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("single") / "log"
-    return log_dir, run_train(tiny_run_args(data, log_dir, *EQUAL), env=clean_env(), timeout=LIMIT)
+REFERENCE = EQUAL  # (conftest's single: one process's run)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +39,9 @@ def pp2_full(data, tmp_path_factory):
                                  clean_env())
 
 
-@pytest.mark.parametrize("ranks,flags", [(2, ["--pp", "2"]), (3, ["--pp", "3"]), (2, ["--pp", "2", "--pp_schedule", "gpipe"]),
+@pytest.mark.parametrize("ranks,flags", [(2, ["--pp", "2"]), (3, ["--pp", "3"]),
+                                         pytest.param(2, ["--pp", "2", "--pp_schedule", "gpipe"],
+                                                      marks=pytest.mark.long),
                                          (4, ["--pp", "2"]), (4, ["--pp", "2", "--shard", "full"]),
                                          (4, ["--pp", "2", "--shard", "grads", "--pp_schedule", "gpipe"])],
                          ids=["pp2", "pp3", "pp2-gpipe", "dp2xpp2", "dp2xpp2-full", "dp2xpp2-grads-gpipe"])
@@ -79,21 +69,14 @@ def test_pipeline_equals_one_process(data, single, pp2, pp2_full, tmp_path, rank
 
 def test_checkpoints_cross_layouts(data, single, pp2, tmp_path):
     """A pipeline's checkpoint is a .dcp folder each stage wrote its part of, in the whole model's names: it resumes on
-    one process, and one process's .pt resumes on a pipeline, each continuing the uninterrupted run; sample.py reads it."""
-    assert sorted(os.listdir(pp2[0])) == ["args.json", "lock", "log.txt", "model_00003.dcp", "model_00006.dcp", "report.md",
-                                         "report.png"]
-    to_one = stopped_after_step_3(pp2[0], tmp_path / "to_one")
-    proc = run_train(["--resume", "--log_dir", to_one], env=clean_env(), timeout=LIMIT)
-    assert "model_00003.dcp at step 3" in proc.stdout and "pipeline:" not in proc.stdout
-    assert_same_run(single[0], to_one)
-    assert final_weights_diff(single[0], to_one) <= TOL
-    to_pp = stopped_after_step_3(single[0], tmp_path / "to_pp")
-    proc = run_launched(["--resume", "--log_dir", to_pp, "--pp", "2"], torchrun(2), clean_env())
-    assert "model_00003.pt at step 3" in proc.stdout and "pipeline: 2 stages" in proc.stdout
-    assert_same_run(single[0], to_pp)
-    assert final_weights_diff(single[0], to_pp) <= TOL
-    sample = subprocess.run([sys.executable, "sample.py", "--ckpt_path", str(pp2[0] / "model_00006.dcp"), "--max_new_tokens",
-                             "4", "--num_samples", "1"], cwd=REPO, capture_output=True, text=True, env=clean_env())
+    one process, and one process's .pt resumes on a pipeline, each continuing the uninterrupted run; sample.py reads
+    it."""
+    assert sorted(os.listdir(pp2[0])) == ["args.json", "lock", "log.txt", "model_00003.dcp", "model_00006.dcp",
+                                          "report.md", "report.png"]
+    assert_resumes_across(pp2[0], single[0], tmp_path, ["--pp", "2"], "pipeline: 2 stages")
+    sample = subprocess.run([sys.executable, "sample.py", "--ckpt_path", str(pp2[0] / "model_00006.dcp"),
+                             "--max_new_tokens", "4", "--num_samples", "1"],
+                            cwd=REPO, capture_output=True, text=True, env=clean_env())
     assert sample.returncode == 0, sample.stderr
 
 
@@ -138,10 +121,12 @@ def test_ddp_checkpoint_resumes_on_a_pipeline(data, single, tmp_path):
     assert final_weights_diff(single[0], resumed) <= TOL
 
 
+@pytest.mark.long  # (the main lane: a .dcp of --shard full resumed on 2 stages, test_parts.py)
 def test_sharded_checkpoint_resumes_on_dp2_x_pp2(data, single, tmp_path):
     """--shard full's .dcp checkpoint (2 ranks, stopped after step 3) resumes on 2 replicas x 2 stages (DDP, then
-    sharded stages), each stage reading its part (the last stage's lm_head and its AdamW moments from the tied weight's one entry), and continues
-    the uninterrupted run: the losses after resuming and the final weights are one process's."""
+    sharded stages), each stage reading its part (the last stage's lm_head and its AdamW moments from the tied
+    weight's one entry), and continues the uninterrupted run: the losses after resuming and the final weights are one
+    process's."""
     sharded = tmp_path / "sharded"
     run_launched(tiny_run_args(data, sharded, *EQUAL, "--shard", "full"), torchrun(2), clean_env())
     resumed = stopped_after_step_3(sharded, tmp_path / "sharded_to_pp")
@@ -152,7 +137,8 @@ def test_sharded_checkpoint_resumes_on_dp2_x_pp2(data, single, tmp_path):
     # and onto stages that are themselves sharded (--shard full, from the checkpoint's arguments): DCP reads the pieces
     resumed = stopped_after_step_3(sharded, tmp_path / "sharded_to_sharded_pp")
     proc = run_launched(["--resume", "--log_dir", resumed, "--pp", "2"], torchrun(4), clean_env())
-    assert "model_00003.dcp at step 3" in proc.stdout and "each stage sharded over its replicas (--shard full)" in proc.stdout
+    assert ("model_00003.dcp at step 3" in proc.stdout
+            and "each stage sharded over its replicas (--shard full)" in proc.stdout)
     assert_same_run(single[0], resumed)
     assert final_weights_diff(single[0], resumed) <= TOL
 
@@ -161,9 +147,10 @@ def test_split_balances_compute():
     """Contiguous runs of at least one block each, the largest stage cost as small as it can be: lm_head (here worth
     3 blocks) pushes blocks toward the first stages."""
     assert stage_split.split_blocks(12, 3, 1.0, 3.0) == [(0, 5), (5, 10), (10, 12)]
-    assert stage_split.split_blocks(4, 3, 1.0, 0.0) in ([(0, 2), (2, 3), (3, 4)], [(0, 1), (1, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)])
+    assert stage_split.split_blocks(4, 3, 1.0, 0.0) in ([(0, 2), (2, 3), (3, 4)], [(0, 1), (1, 2), (2, 4)],
+                                                        [(0, 1), (1, 3), (3, 4)])
     assert stage_split.split_blocks(4, 4, 1.0, 100.0) == [(0, 1), (1, 2), (2, 3), (3, 4)]
-    config = train_gpt2.GPTConfig(n_layer=12, n_embd=768, vocab_size=50304)
+    config = GPTConfig(n_layer=12, n_embd=768, vocab_size=50304)
     bounds = stage_split.split_blocks(12, 3, *stage_split.stage_costs(config, 1024))
     # GPT-2 (124M): lm_head costs about 4.5 blocks, so the last stage gets 1 (cost 5.5), the others 5 and 6
     assert [b - a for a, b in bounds] in ([5, 6, 1], [6, 5, 1])
@@ -173,37 +160,35 @@ def test_split_fits_max_memory():
     """With a budget (--max_memory), the most balanced cut whose every stage's planned peak fits: GPT-2 large's shape on
     3 stages in bf16 at 6 GiB moves blocks off the end stages (which hold the vocabulary's matrices) onto the middle
     one; the planner (layouts.plan) plans that cut; a budget nothing fits keeps the cut for compute."""
-    from plumbing import layouts
-    config = train_gpt2.GPTConfig(block_size=1024, vocab_size=50304, n_layer=36, n_head=20, n_embd=1280)
+    from parallel import layouts
+    config = GPTConfig(block_size=1024, vocab_size=50304, n_layer=36, n_head=20, n_embd=1280)
     balanced = stage_split.stage_bounds(config, 3, 64, None, True)
     fitted = stage_split.stage_bounds(config, 3, 64, 6 * 2**30, True)
     assert [b - a for a, b in balanced] == [13, 13, 10] and [b - a for a, b in fitted] == [11, 14, 11]
     for s, (a, b) in enumerate(fitted):
-        params = stage_split.stage_params(config, a, b, s == 0, s == 2)
-        assert 16 * params + layouts.beyond_state(params, (s == 0) + (s == 2), config, True) <= 6 * 2**30
+        params = sizes.stage_parameters(config, a, b, s == 0, s == 2)
+        assert sizes.training_memory(params, (s == 0) + (s == 2), config, True) <= 6 * 2**30
     assert stage_split.stage_bounds(config, 3, 64, 2**30, True) == balanced
-    planned = lambda budget: layouts.plan(layouts.Layout("pp", "none", 3), config, 3, 1, 64, 3, True, budget).memory  # noqa: E731
+
+    def planned(budget):
+        return layouts.plan(layouts.Layout("pp", "none", 3), config, 3, 1, 64, 3, True, budget).memory
+
     assert planned(6 * 2**30) < 6 * 2**30 < planned(None)
 
 
 def test_bad_layouts_are_one_line(data, tmp_path):
-    from train_args import build_parser, check_args
-    def refused(world_size, *flags):
-        args = build_parser().parse_args(["--data_dir", data, *flags])
-        with pytest.raises(SystemExit) as e:
-            check_args(args, world_size)
-        return str(e.value)
-    assert "--pp 5: more stages than the model's 4 blocks" in refused(5, "--pp", "5", "--n_layer", "4")
-    assert "--pp 2: the world size 3 is not a multiple" in refused(3, "--pp", "2")
-    assert "--pp 2 --lora runs with --shard none" in refused(4, "--pp", "2", "--lora", "4", "--shard", "full")
-    message = refused(2, "--pp", "2", "--batch_size", "2", "--seq_len", "32", "--total_batch_size", "64")
+    assert "--pp 5: more stages than the model's 4 blocks" in refused(data, 5, "--pp", "5", "--n_layer", "4")
+    assert "--pp 2: the world size 3 is not a multiple" in refused(data, 3, "--pp", "2")
+    assert "--pp 2 --lora runs with --shard none" in refused(data, 4, "--pp", "2", "--lora", "4", "--shard", "full")
+    message = refused(data, 2, "--pp", "2", "--batch_size", "2", "--seq_len", "32", "--total_batch_size", "64")
     assert "--pp_schedule 1f1b needs at least 2 micro-batches a step" in message and "gpipe" in message
     proc = run_train(tiny_run_args(data, tmp_path / "log", "--pp", "2"), check=False)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("error: --pp 2: the world size 1")
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("ranks,flags", [(2, []), (4, ["--shard", "full"])], ids=["pp2", "dp2xpp2-full"])
+@pytest.mark.parametrize("ranks,flags", [(2, []), pytest.param(4, ["--shard", "full"], marks=pytest.mark.long)],
+                         ids=["pp2", "dp2xpp2-full"])
 def test_pipeline_on_task_data_equals_one_process(tmp_path, ranks, flags):
     """Packed task rows with answers of uneven length: each micro-batch's loss weighs by its share of the step's
     targets (4 micro-batches of one row a step), and the packing reaches every stage; also with each stage sharded
@@ -237,13 +222,14 @@ def test_pipeline_in_bf16_equals_one_process_in_bf16(data, tmp_path):
 
 
 TRAFFIC = RECORDING_RANK + r'''
-from train_gpt2 import GPT, GPTConfig
-from plumbing import pipeline, stage_split
+from model import GPT, GPTConfig
+from parallel import pipeline, stage_split
 config = GPTConfig(block_size=16, vocab_size=128, n_layer=2, n_head=2, n_embd=8)
 out = {}
 for shard in ("full", "grads"):
     torch.manual_seed(0)
-    pipe = pipeline.Pipeline(GPT(config), SimpleNamespace(pp=2, shard=shard, batch_size=2, seq_len=16, pp_schedule="1f1b"),
+    pipe = pipeline.Pipeline(GPT(config),
+                             SimpleNamespace(pp=2, shard=shard, batch_size=2, seq_len=16, pp_schedule="1f1b"),
                              SimpleNamespace(world_size=4, rank=dist.get_rank(), device="cpu"), 3, lambda *a: None)
     x = torch.randint(0, 128, (2, 16))
     seen.clear()
@@ -256,7 +242,7 @@ dist.all_gather_object(everything, out)
 if dist.get_rank() == 0:
     print(json.dumps(everything))
 del pipe  # the model goes before the group (world.leave_process_group says why)
-from plumbing import world
+from parallel import world
 world.leave_process_group()
 '''
 
@@ -270,9 +256,7 @@ def test_sharded_stage_traffic_is_the_plan_lines(tmp_path):
     import json
     script = tmp_path / "traffic.py"
     script.write_text(TRAFFIC)
-    proc = subprocess.run([*torchrun(4), str(script), REPO], capture_output=True, text=True, env=clean_env(), cwd=REPO,
-                          timeout=LIMIT)
-    assert proc.returncode == 0, proc.stderr
+    proc = run_rank_script(script, 4)
     for rank, out in enumerate(json.loads(proc.stdout.strip().splitlines()[-1])):
         for shard, got in out.items():
             gathers = sorted(b for f, b in got["seen"] if "allgather" in f)
@@ -298,7 +282,8 @@ def test_lora_on_a_pipeline_equals_one_process(tmp_path):
     proc = run_launched(lora_args(data, tmp_path / "pp", str(base), "--pp", "2"), torchrun(2), clean_env())
     assert "pipeline: 2 stages" in proc.stdout and "lora: r 4" in proc.stdout
     ref, got = read_log(tmp_path / "one", "train"), read_log(tmp_path / "pp", "train")
-    assert sorted(got) == sorted(ref) == [0, 1, 2, 3, 4, 5] and max(abs(ref[s] - got[s]) for s in ref) <= TOL, (ref, got)
+    assert (sorted(got) == sorted(ref) == [0, 1, 2, 3, 4, 5]
+            and max(abs(ref[s] - got[s]) for s in ref) <= TOL), (ref, got)
     (one, _), (pp, _) = adapters_of(tmp_path / "one"), adapters_of(tmp_path / "pp")
     assert sorted(pp) == sorted(one) and all(".lora_" in k for k in pp)
     assert max(float((one[k] - pp[k]).abs().max()) for k in one) <= TOL

@@ -88,7 +88,8 @@ def test_the_eta_counts_steps_and_evaluations(monkeypatch):
 
 
 def test_a_run_on_the_clock_says_it_ends_on_the_clock(monkeypatch):
-    """--hours: the clock re-fits the steps to its deadline, so a slow spell (a step 5x slower) does not move the ETA."""
+    """--hours: the clock re-fits the steps to its deadline, so a slow spell (a step 5x slower) does not move the
+    ETA."""
     now = [100.0]
     monkeypatch.setattr(progress.time, "time", lambda: now[0])
     monkeypatch.setattr(progress, "STARTED", 0.0)
@@ -132,7 +133,8 @@ def test_a_big_checkpoint_says_what_it_writes_and_how_long(tmp_path, monkeypatch
     how long); a smaller one says nothing, nor does the .dcp's meta.pt (written quietly inside the folder)."""
     import torch
     from conftest import free_port
-    from plumbing import checkpoints, parts, world
+    from parallel import parts, world
+    from plumbing import checkpoints
     monkeypatch.setattr(checkpoints, "LOUD_BYTES", 4000)
     big, small, dcp = (str(tmp_path / f"model_0000{i}.{ext}") for i, ext in ((1, "pt"), (2, "pt"), (3, "dcp")))
     checkpoints.atomic_save({"w": torch.zeros(1000)}, big)  # 4000 bytes

@@ -97,5 +97,6 @@ def test_the_readmes_path_runs_as_written(tmp_path):
         if argv[1] == "sample.py":
             assert re.search(r"\d+ tokens in [\d.]+s", proc.stdout + proc.stderr), proc.stdout
         if argv[1] == "answer.py":  # the share of my_val.jsonl's 10 answers it got right
-            assert re.search(r"^task accuracy: [\d.]+ \(\d+/10 examples of my_val.jsonl", proc.stdout, re.M), proc.stdout
+            accuracy = r"^task accuracy: [\d.]+ \(\d+/10 examples of my_val.jsonl"
+            assert re.search(accuracy, proc.stdout, re.M), proc.stdout
     assert json.loads((tmp_path / "gpt2_ours" / "config.json").read_text())["n_layer"] == 2  # (tiny_gpt2's)

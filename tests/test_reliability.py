@@ -17,16 +17,11 @@ import torch
 
 from plumbing import checkpoints
 import train_gpt2
-from conftest import REPO, make_shards, read_log, run_train, start_ranks, tiny_run_args
+from conftest import REPO, make_shards, need, read_log, run_train, start_ranks, tiny_run_args
 
 # 8 micro-steps of the tiny model per optimizer step: ~0.4 s a step on one core (AMX Xeon), so a signal sent
 # once step 2 is printed lands in the middle of the run's 10 steps without any test hook in the trainer
 SLOW = ["--total_batch_size", "1024", "--max_steps", "10", "--eval_interval", "4", "--checkpoint_interval", "4"]
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return make_shards(tmp_path_factory.mktemp("data"))
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +107,7 @@ def finish(procs):
     return [p.returncode for p in procs], results
 
 
-@pytest.mark.xdist_group("multiprocess")
+@pytest.mark.xdist_group("multiprocess-2")
 def test_sigterm_to_every_rank_then_resume_equals_uninterrupted_two_ranks(data, tmp_path):
     ref = tmp_path / "ref"
     codes, ref_results = finish(by_hand(data, ref, 2))
@@ -133,7 +128,7 @@ def test_sigterm_to_every_rank_then_resume_equals_uninterrupted_two_ranks(data, 
 
 
 def test_second_signal_stops_at_once(tmp_path):
-    code = ("import os, signal, time\nfrom plumbing import world\n"
+    code = ("import os, signal, time\nfrom parallel import world\n"
             "stop = world.GracefulStop()\n"
             "os.kill(os.getpid(), signal.SIGINT)\n"
             "os.kill(os.getpid(), signal.SIGINT)  # within a second: the same request\n"
@@ -162,7 +157,7 @@ def test_divergence_stops_and_keeps_only_checkpoints_that_trained_on(data, tmp_p
     assert last.startswith("error: training diverged: 5 steps in a row with a diverged loss or gradient"), proc.stderr
     assert "update skipped" in proc.stdout
     train = read_log(log, "train")
-    kept = train_gpt2.list_checkpoints(str(log))
+    kept = checkpoints.list_checkpoints(str(log))
     assert kept and os.path.basename(kept[-1]) in last
     for f in kept:  # finite weights, and a step from them gave a sane loss
         ckpt = torch.load(f, weights_only=True)
@@ -179,10 +174,11 @@ def test_blown_up_but_finite_weights_never_push_out_the_last_good_checkpoint(dat
     every step and only one kept, the last checkpoint of normal training must be the one left."""
     log = tmp_path / "log"
     run_train(tiny_run_args(data, log, "--max_steps", "3", "--eval_interval", "1"))
-    proc = run_train(tiny_run_args(data, log, "--resume", "--max_lr", "1e6", "--max_steps", "40", "--eval_interval", "1",
-                                   "--checkpoint_interval", "1", "--keep_checkpoints", "1"), check=False)
+    blow_up = ["--resume", "--max_lr", "1e6", "--max_steps", "40", "--eval_interval", "1",
+               "--checkpoint_interval", "1", "--keep_checkpoints", "1"]
+    proc = run_train(tiny_run_args(data, log, *blow_up), check=False)
     assert proc.returncode == 1 and "error: training diverged" in proc.stderr
-    assert [os.path.basename(f) for f in train_gpt2.list_checkpoints(str(log))] == ["model_00003.pt"]
+    assert [os.path.basename(f) for f in checkpoints.list_checkpoints(str(log))] == ["model_00003.pt"]
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -191,7 +187,7 @@ def test_checkpoints_are_ordered_by_step_number(tmp_path):
     for step in (99_998, 99_999, 100_000, 100_001, 7):
         (tmp_path / f"model_{step:05d}.pt").write_bytes(b"")
     (tmp_path / "model_final.pt").write_bytes(b"")  # not ours: ignored
-    names = [os.path.basename(f) for f in train_gpt2.list_checkpoints(str(tmp_path))]
+    names = [os.path.basename(f) for f in checkpoints.list_checkpoints(str(tmp_path))]
     assert names == ["model_00007.pt", "model_99998.pt", "model_99999.pt", "model_100000.pt", "model_100001.pt"]
 
 
@@ -211,7 +207,8 @@ def test_resume_past_step_100000_prunes_and_picks_the_newest(data, three_steps, 
         return run_train(tiny_run_args(data, log, "--resume", "--max_steps", max_steps, "--checkpoint_interval", "1",
                                        "--keep_checkpoints", "2", "--eval_interval", "0")).stdout
     resume(100_003)
-    assert [os.path.basename(f) for f in train_gpt2.list_checkpoints(str(log))] == ["model_100002.pt", "model_100003.pt"]
+    kept = [os.path.basename(f) for f in checkpoints.list_checkpoints(str(log))]
+    assert kept == ["model_100002.pt", "model_100003.pt"]
     assert sorted(read_log(log, "train"))[-3:] == [100_000, 100_001, 100_002]
     assert f"resumed from {log / 'model_100003.pt'} at step 100003" in resume(100_004)
 
@@ -242,8 +239,8 @@ def test_a_flipped_bit_in_tensor_data_is_refused(data, three_steps, tmp_path):
                                 capture_output=True, text=True)):
         assert proc.returncode == 1 and "Traceback" not in proc.stderr
         last = proc.stderr.strip().splitlines()[-1]
-        assert re.fullmatch(rf"error: checkpoint {re.escape(str(path))} is damaged: tensor \S+ does not match its checksum",
-                            last), last
+        damaged = rf"error: checkpoint {re.escape(str(path))} is damaged: tensor \S+ does not match its checksum"
+        assert re.fullmatch(damaged, last), last
 
 
 def test_checkpoints_without_checksums_still_load(three_steps, tmp_path):
@@ -251,7 +248,7 @@ def test_checkpoints_without_checksums_still_load(three_steps, tmp_path):
     ckpt = torch.load(log / "model_00003.pt", weights_only=True)
     del ckpt["checksums"]  # as written before checksums existed
     torch.save(ckpt, log / "model_00003.pt")
-    assert train_gpt2.load_checkpoint(str(log / "model_00003.pt"))["step"] == 3
+    assert checkpoints.load_checkpoint(str(log / "model_00003.pt"))["step"] == 3
 
 
 # ----------------------------------------------------------------------------- data
@@ -276,13 +273,14 @@ def test_token_id_beyond_the_vocabulary_is_refused_before_the_model(tmp_path):
 
 def test_padding_ids_train_with_a_warning(tmp_path):
     data, shard = shards_with_token(tmp_path, "tiny_train_000001.npy", 10, 50_300)
-    proc = run_train(tiny_run_args(data, tmp_path / "log", "--max_steps", "2"), env={"XDG_CACHE_HOME": str(tmp_path / "c")})
+    proc = run_train(tiny_run_args(data, tmp_path / "log", "--max_steps", "2"),
+                     env={"XDG_CACHE_HOME": str(tmp_path / "c")})
     assert f"warning: shard {shard} holds token id 50300" in proc.stdout
 
 
 # ----------------------------------------------------------------------------- the log folder
 
-@pytest.mark.xdist_group("multiprocess")
+@pytest.mark.xdist_group("multiprocess-2")
 def test_second_run_in_a_folder_is_refused(data, tmp_path):
     log = tmp_path / "log"
     first = start(tiny_run_args(data, log, "--max_steps", "100000", "--eval_interval", "0"))
@@ -303,8 +301,8 @@ def test_second_run_in_a_folder_is_refused(data, tmp_path):
 def tmpfs(path, options):
     os.makedirs(path, exist_ok=True)
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    # (skipped where it cannot mount, but under CI, which runs as root, a failure)
+    need(mounted.returncode == 0, f"mounting a tmpfs ({mounted.stderr.decode().strip()})")
     try:
         yield path
     finally:
@@ -322,8 +320,9 @@ def test_full_disk_is_one_line_and_leaves_no_partial_file(data, tmp_path):
         target = str(small / "model_00001.pt")
         with pytest.raises(SystemExit) as e:
             checkpoints.atomic_save({"w": torch.zeros(2_000_000)}, target)
-        assert re.fullmatch(rf"error: cannot write {re.escape(target)} \(OSError: \[Errno 28\] No space left on device; "
-                            r"\d+ MiB free there\)", str(e.value)), e.value
+        no_space = (rf"error: cannot write {re.escape(target)} \(OSError: \[Errno 28\] No space left on device; "
+                    r"\d+ MiB free there\)")
+        assert re.fullmatch(no_space, str(e.value)), e.value
         assert os.listdir(small) == ["log"]  # no model_00001.pt.tmp left behind
 
 
@@ -331,7 +330,8 @@ def test_read_only_log_dir_is_one_line(data, tmp_path):
     with tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
         proc = run_train(tiny_run_args(data, ro / "log"), check=False)
         assert proc.returncode == 1 and "model:" not in proc.stdout
-        assert proc.stderr.strip().splitlines()[-1].startswith(f"error: --log_dir {ro / 'log'} is not writable ("), proc.stderr
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"error: --log_dir {ro / 'log'} is not writable ("), proc.stderr
 
 
 def test_resume_with_no_checkpoint_yet_starts_the_run(data, tmp_path):
@@ -349,19 +349,21 @@ def test_resume_with_no_checkpoint_yet_starts_the_run(data, tmp_path):
 
 # ----------------------------------------------------------------------------- the same numbers in every process
 
-@pytest.mark.xdist_group("multiprocess")
+@pytest.mark.long
+@pytest.mark.xdist_group("multiprocess-2")
 def test_resume_gives_the_same_loss_in_every_process_beside_a_cpu_load(data, tmp_path):
     """oneMKL picks each vector-math kernel at its first call, and when several threads make that call
     at once one of them can compute its chunk with a low-accuracy kernel (pytorch/pytorch#188792): the
     same resume then gives different losses in different processes, a few times in 40. The warm-up in
-    cpu.warm_up_vector_math prevents it. Without the warm-up this test fails only now and then."""
+    cpu.warm_up_vector_math prevents it. Without the warm-up this test fails only now and then, so it runs in the
+    long lane, with 12 resumes beside a core kept busy."""
     log = tmp_path / "log"
     run_train(tiny_run_args(data, log, "--max_steps", "3", "--eval_interval", "0", "--batch_size", "8",
                             "--total_batch_size", "512"))
     burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         losses = set()
-        for i in range(6):
+        for i in range(12):
             out = run_train(tiny_run_args(data, log, "--resume", "--max_steps", "4", "--threads", "2",
                                           "--checkpoint_interval", "0", "--log_dir", tmp_path / f"copy{i}",
                                           "--resume", str(log / "model_00003.pt")),
@@ -375,20 +377,21 @@ def test_resume_gives_the_same_loss_in_every_process_beside_a_cpu_load(data, tmp
 
 # ----------------------------------------------------------------------------- kill -9 under every layout
 
-@pytest.mark.xdist_group("multiprocess")
+@pytest.mark.xdist_group("multiprocess-2")
 def test_kills_during_training_and_saves_under_each_layout_resume_to_the_same_weights():
     """bench/kill_soak.py, short: 2 ranks under --shard full (a disk per node), --pp 2 (one shared folder) and --tp 2 (a
-    disk per node), each killed with SIGKILL twice (one rank or both; the second kill once a .dcp save has begun) and
-    resumed; each ends with the uninterrupted run's digest, and no model_*.dcp folder ever lacked a piece or kept a *.tmp.
+    disk per node), each killed with SIGKILL (one rank or both, at random) once a .dcp save has begun, and resumed;
+    each ends with the uninterrupted run's digest, and no model_*.dcp folder ever lacked a piece or kept a *.tmp.
+    Kills at a random moment of training: the long soak, and test_distributed.py's kill -9 of a sharded run.
     The long soak, 10 kills for each layout on each kind of folder: docs/reliability.md."""
     from conftest import can_mount_privately, need
     need(can_mount_privately(), "a private mount for each rank (root, unshare)")
-    proc = subprocess.run([sys.executable, "bench/kill_soak.py", "--kills", "2", "--steps", "12",
+    proc = subprocess.run([sys.executable, "bench/kill_soak.py", "--kills", "1", "--steps", "6",
                            "--cases", "full/disks,pp2/shared,tp2/disks"], cwd=REPO, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = re.findall(r"^\| (full|pp2|tp2) \| (disks|shared) \| 2 \(1 in a save\) \| \d+ \| (\d+) \| (\d+)/(\d+) \| 0 \|",
-                      proc.stdout, re.M)
+    row = r"^\| (full|pp2|tp2) \| (disks|shared) \| 1 \(1 in a save\) \| \d+ \| (\d+) \| (\d+)/(\d+) \| 0 \|"
+    rows = re.findall(row, proc.stdout, re.M)
     assert [r[:2] for r in rows] == [("full", "disks"), ("pp2", "shared"), ("tp2", "disks")], proc.stdout
     assert all(int(r[2]) >= 1 and r[3] == r[4] == r[2] for r in rows), proc.stdout
-    assert len(re.findall(r"kill \d: rank\(s\) [01,]+( during a save)?; exit codes", proc.stdout)) == 6, proc.stdout
+    assert len(re.findall(r"kill \d: rank\(s\) [01,]+ during a save; exit codes", proc.stdout)) == 3, proc.stdout

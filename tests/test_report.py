@@ -87,7 +87,8 @@ def test_update_draws_on_rank_0_at_most_once_a_minute_and_at_the_end(tmp_path, m
     model = torch.nn.Linear(2, 2)
     model.config = argparse.Namespace(n_layer=1, n_embd=2, n_head=1, block_size=8)
     run = argparse.Namespace(args=argparse.Namespace(log_dir=folder, max_steps=3, total_batch_size=100),
-                             ranks=argparse.Namespace(master=False), raw_model=model, dtype="fp32")
+                             ranks=argparse.Namespace(master=False), model=model, dtype="fp32", max_steps=3,
+                             cpu_line="cpu: a test's")
     png = os.path.join(folder, "report.png")
     report.update(run, final=True)
     assert not os.path.exists(png)  # rank 0 alone draws

@@ -12,11 +12,11 @@ from torch.nn import functional as F
 import sample
 import tasks
 import tokenizer
-import train_gpt2
-from train_gpt2 import GPT
+from model import load_model
+from model import GPT
 from conftest import (REPO, checkpoints_of_each_kind, greedy_reference, make_shards, record_prompts, run_train,
                       save_random_hf_gpt2, save_task_checkpoint, say_eot_at, task_of, tiny_run_args, varied_model)
-from plumbing import cpu
+from compute import cpu
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -65,7 +65,8 @@ def expected_output(model, prompt, num_samples, n, temperature, top_k, seed):
     out = ""
     for i in range(num_samples):
         new = no_cache_generate(model, ids, n, temperature, top_k, gen)
-        out += f"--- sample {i + 1}/{num_samples}\n" + (tokenizer.decode(ids) if prompt else "") + tokenizer.decode(new) + "\n"
+        out += (f"--- sample {i + 1}/{num_samples}\n" + (tokenizer.decode(ids) if prompt else "")
+                + tokenizer.decode(new) + "\n")
     return out
 
 
@@ -75,7 +76,7 @@ def run_main(capsys, *argv):
 
 
 def load(ckpt):
-    return train_gpt2.load_model(ckpt)[0].eval()
+    return load_model(ckpt)[0].eval()
 
 
 # 70 new tokens after a 3-token prompt runs past the 64-token context: the cache's fallback is covered too

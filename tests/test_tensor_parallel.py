@@ -1,4 +1,4 @@
-"""Tensor parallel (--tp, plumbing/tensor_parallel.py), proven equal to one process: 2 ranks, and 2 replicas x 2 ranks
+"""Tensor parallel (--tp, parallel/tensor_parallel.py), proven equal to one process: 2 ranks, and 2 replicas x 2 ranks
 (losses, val losses, clipping's norms, final weights within 1e-5; the exported checkpoint in transformers); checkpoints
 that cross layouts both ways; c_attn's regrouping of q, k and v by heads; the plan line's parameters per rank; the
 layouts refused with one line.
@@ -10,27 +10,16 @@ import re
 import pytest
 import torch
 
-import train_gpt2
-from conftest import (LIMIT, TINY_MODEL, clean_env, final_weights_diff, make_shards, printed_norms, run_launched,
-                      run_train, stopped_after_step_3, tiny_run_args, torchrun)
-from plumbing import tensor_parallel
-from test_distributed import assert_same_run
+from plumbing import checkpoints
+from model import GPTConfig, GPT, PADDED_VOCAB_SIZE, load_model
+from conftest import (LIMIT, TINY_MODEL, assert_resumes_across, assert_same_run, clean_env, final_weights_diff,
+                      printed_norms, refused, run_launched, run_rank_script, run_train, stopped_after_step_3,
+                      tiny_run_args, torchrun)
+from parallel import tensor_parallel
 
 TOL = 1e-5
 EAGER = ["--no-compile"]  # (the one-process reference: test_compiled_parts_equal_eager compiles the parts)
-
-
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return make_shards(tmp_path_factory.mktemp("tp") / "data")
-
-
-@pytest.fixture(scope="module")
-def single(data, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("single") / "log"
-    return log_dir, run_train(tiny_run_args(data, log_dir, *EAGER), env=clean_env(), timeout=LIMIT)
+REFERENCE = EAGER  # (conftest's single: one process's run)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +32,7 @@ def tiny_shares(tp):
     """(parameters on each rank, in all) of the tiny model under --tp, counted from a one-process GPT: every block's
     c_attn, c_fc (weights and biases) and both c_proj weights are split, everything else is whole."""
     n_layer, n_head, n_embd, block_size = (int(v) for v in TINY_MODEL[1::2])
-    model = train_gpt2.GPT(train_gpt2.GPTConfig(block_size=block_size, vocab_size=train_gpt2.PADDED_VOCAB_SIZE,
+    model = GPT(GPTConfig(block_size=block_size, vocab_size=PADDED_VOCAB_SIZE,
                                                 n_layer=n_layer, n_head=n_head, n_embd=n_embd))
     split = sum(p.numel() for n, p in model.named_parameters()
                 if re.search(r"attn\.c_attn\.|mlp\.c_fc\.|c_proj\.weight", n))
@@ -51,8 +40,9 @@ def tiny_shares(tp):
     return total - split + split // tp, total
 
 
-@pytest.mark.xdist_group("multiprocess")
-@pytest.mark.parametrize("ranks", [2, 4], ids=["tp2", "dp2xtp2"])
+@pytest.mark.xdist_group("multiprocess-2")
+# (2 replicas x 2 ranks in the main lane: on task data, below)
+@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.long)], ids=["tp2", "dp2xtp2"])
 def test_tensor_parallel_equals_one_process(data, single, tp2, tmp_path, ranks):
     """The losses of 6 steps, the val losses, the gradient norms (clipping's: split gradients summed over the ranks,
     replicated ones counted once) and the final weights of one process; the run's end check has found the replicas
@@ -80,11 +70,11 @@ def assert_exported_equals_trained(log_dir, single_dir, out):
     is what catches a c_attn left in the ranks' order: our model and the export would read it alike, both wrong.)"""
     from transformers import GPT2LMHeadModel
     from test_export import assert_same_as_transformers, run_export
-    ckpt = train_gpt2.list_checkpoints(str(log_dir))[-1]
+    ckpt = checkpoints.list_checkpoints(str(log_dir))[-1]
     proc = run_export(ckpt, out)
     assert proc.returncode == 0, proc.stderr
-    assert_same_as_transformers(train_gpt2.load_model(ckpt)[0], str(out))
-    one_process = train_gpt2.load_model(train_gpt2.list_checkpoints(str(single_dir))[-1])[0].eval()
+    assert_same_as_transformers(load_model(ckpt)[0], str(out))
+    one_process = load_model(checkpoints.list_checkpoints(str(single_dir))[-1])[0].eval()
     idx = torch.randint(0, 50257, (2, one_process.config.block_size), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         theirs, (mine, _) = GPT2LMHeadModel.from_pretrained(str(out)).eval()(idx).logits, one_process(idx)
@@ -93,33 +83,24 @@ def assert_exported_equals_trained(log_dir, single_dir, out):
     assert diff <= TOL
 
 
-@pytest.mark.xdist_group("multiprocess")
+@pytest.mark.xdist_group("multiprocess-2")
 def test_checkpoints_cross_layouts(single, tp2, tmp_path):
     """A --tp checkpoint is a .dcp folder each rank wrote its share of, in the whole model's names and places (c_attn's
     rows as their q, k and v blocks): it resumes on one process, and one process's .pt resumes under --tp 2, each
     continuing the uninterrupted run."""
-    to_one = stopped_after_step_3(tp2[0], tmp_path / "to_one")
-    proc = run_train(["--resume", "--log_dir", to_one, *EAGER], env=clean_env(), timeout=LIMIT)
-    assert "model_00003.dcp at step 3" in proc.stdout and "tensor parallel:" not in proc.stdout
-    assert_same_run(single[0], to_one)
-    assert final_weights_diff(single[0], to_one) <= TOL
-    to_tp = stopped_after_step_3(single[0], tmp_path / "to_tp")
-    proc = run_launched(["--resume", "--log_dir", to_tp, "--tp", "2"], torchrun(2), clean_env())
-    assert "model_00003.pt at step 3" in proc.stdout and "tensor parallel: 2 ranks" in proc.stdout
-    assert_same_run(single[0], to_tp)
-    assert final_weights_diff(single[0], to_tp) <= TOL
+    assert_resumes_across(tp2[0], single[0], tmp_path, ["--tp", "2"], "tensor parallel: 2 ranks", EAGER)
 
 
-@pytest.mark.xdist_group("multiprocess")
-@pytest.mark.parametrize("ranks", [4, 8], ids=["pp2xtp2", "dp2xpp2xtp2"])
+@pytest.mark.xdist_group("multiprocess-2")
+@pytest.mark.parametrize("ranks", [4, pytest.param(8, marks=pytest.mark.long)], ids=["pp2xtp2", "dp2xpp2xtp2"])
 def test_pipeline_of_split_stages_equals_one_process(data, single, tmp_path, ranks):
     """--pp 2 --tp 2 on one (dp, pp, tp) mesh: each stage's block split over 2 ranks, the activations passed from each
     tensor-parallel rank to its peer of the next stage, the tied weight's gradients summed per peer pair, clipping's
     norm summed over the split, the stages and the replicas. Losses, norms and final weights as one process; a
     one-process .pt resumes under it, each rank cutting its part from it."""
     log_dir = tmp_path / "log"
-    proc = run_launched(tiny_run_args(data, log_dir, "--pp", "2", "--tp", "2", "--batch_size", "2", *EAGER), torchrun(ranks),
-                        clean_env())
+    proc = run_launched(tiny_run_args(data, log_dir, "--pp", "2", "--tp", "2", "--batch_size", "2", *EAGER),
+                        torchrun(ranks), clean_env())
     assert (f"pipeline: 2 stages x {ranks // 4} data-parallel replica(s), each stage's blocks split over 2 "
             "tensor-parallel ranks") in proc.stdout
     assert_same_run(single[0], log_dir)
@@ -135,8 +116,10 @@ def test_pipeline_of_split_stages_equals_one_process(data, single, tmp_path, ran
         assert final_weights_diff(single[0], resumed) <= TOL
 
 
-@pytest.mark.xdist_group("multiprocess")
-@pytest.mark.parametrize("flags", [["--tp", "2"], ["--pp", "2", "--tp", "2", "--batch_size", "2"]], ids=["tp2", "pp2xtp2"])
+@pytest.mark.xdist_group("multiprocess-2")
+@pytest.mark.parametrize("flags", [["--tp", "2"], pytest.param(["--pp", "2", "--tp", "2", "--batch_size", "2"],
+                                                                  marks=pytest.mark.long)],
+                         ids=["tp2", "pp2xtp2"])
 def test_compiled_parts_equal_eager(data, single, tmp_path, flags):
     """Compiled as one process is (the default): tensor parallel's split model, and a pipeline's stages with their
     split blocks (the stage's forward and its loss, one graph each; DTensor's collectives inside them). The same run
@@ -153,7 +136,7 @@ def test_compiled_parts_equal_eager(data, single, tmp_path, flags):
     assert final_weights_diff(single[0], log_dir) <= 1e-4
 
 
-@pytest.mark.xdist_group("multiprocess")
+@pytest.mark.xdist_group("multiprocess-2")
 def test_tensor_parallel_on_task_data_equals_one_process(tmp_path):
     """Packed task rows with answers of uneven length, on 2 replicas x 2 ranks: attention inside each example on the
     rank's heads, and each micro-batch's loss weighed by its share of the step's targets (2 micro-batches of one row
@@ -195,18 +178,13 @@ def test_parallel_tp_forces_tensor_parallel_over_every_rank():
 
 def test_bad_layouts_are_one_line(data, tmp_path):
     from train_args import build_parser, check_args
-    def refused(world_size, *flags):
-        args = build_parser().parse_args(["--data_dir", data, *flags])
-        with pytest.raises(SystemExit) as e:
-            check_args(args, world_size)
-        return str(e.value)
-    assert "--tp 3: the world size 4 is not a multiple of it" in refused(4, "--tp", "3")
-    assert "--tp 2 does not divide the model's 3 heads (--n_head)" in refused(2, "--tp", "2", "--n_head", "3",
+    assert "--tp 3: the world size 4 is not a multiple of it" in refused(data, 4, "--tp", "3")
+    assert "--tp 2 does not divide the model's 3 heads (--n_head)" in refused(data, 2, "--tp", "2", "--n_head", "3",
                                                                                "--n_embd", "96")
     check_args(build_parser().parse_args(["--data_dir", data, "--tp", "2", "--pp", "2"]), 4)  # (combined: accepted)
-    assert "--pp 2: the world size 3 is not a multiple" in refused(6, "--tp", "2", "--pp", "2")
-    assert "--tp 2 with --shard: not yet combined" in refused(2, "--tp", "2", "--shard", "full")
-    assert "--tp 2 with --lora: not yet combined" in refused(2, "--tp", "2", "--lora", "4")
+    assert "--pp 2: the world size 3 is not a multiple" in refused(data, 6, "--tp", "2", "--pp", "2")
+    assert "--tp 2 with --shard: not yet combined" in refused(data, 2, "--tp", "2", "--shard", "full")
+    assert "--tp 2 with --lora: not yet combined" in refused(data, 2, "--tp", "2", "--lora", "4")
     proc = run_train(tiny_run_args(data, tmp_path / "log", "--tp", "2"), check=False)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("error: --tp 2: the world size 1")
     assert "Traceback" not in proc.stderr
@@ -217,8 +195,8 @@ import json, sys, torch, torch.distributed as dist
 from types import SimpleNamespace
 from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, sys.argv[1])
-from train_gpt2 import GPT, GPTConfig
-from plumbing import tensor_parallel
+from model import GPT, GPTConfig
+from parallel import tensor_parallel
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 torch.manual_seed(0)
@@ -227,12 +205,14 @@ seen = []
 class Record(TorchDispatchMode):  # every collective the step makes: DTensor's (functional) ones and ours
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if "c10d" in str(func):
-            seen.append([str(func), str(args[0].dtype) if hasattr(args[0], "dtype") else "", list(getattr(args[0], "shape", []))])
+            seen.append([str(func), str(args[0].dtype) if hasattr(args[0], "dtype") else "",
+                         list(getattr(args[0], "shape", []))])
         return func(*args, **(kwargs or {}))
 out = {}
 for dtype in ("fp32", "bf16"):
     tp = tensor_parallel.TensorParallel(GPT(config), SimpleNamespace(tp=2, batch_size=2, seq_len=16),
-                                        SimpleNamespace(world_size=2, rank=dist.get_rank(), device="cpu"), 3, lambda *a: None, dtype)
+                                        SimpleNamespace(world_size=2, rank=dist.get_rank(), device="cpu"), 3,
+                                        lambda *a: None, dtype)
     x = torch.randint(0, 128, (2, 16))
     seen.clear()
     with Record():
@@ -241,21 +221,20 @@ for dtype in ("fp32", "bf16"):
 if dist.get_rank() == 0:
     print(json.dumps(out))
 del tp  # the model goes before the group (world.leave_process_group says why)
-from plumbing import world
+from parallel import world
 world.leave_process_group()
 '''
 
 
-@pytest.mark.xdist_group("multiprocess")
+@pytest.mark.xdist_group("multiprocess-2")
 def test_traffic_is_the_plan_lines(tmp_path):
     """What --tp sends, recorded during a step of 3 micro-batches through 2 blocks: per micro-batch and block 2
     all-reduces of (B, T, C) forward, in the forward's dtype, and 2 backward, in fp32; their bytes (2 (N-1)/N of each
     tensor from each rank) are the plan line's. Beside them, only clipping's one all-reduce of a number."""
     import json
-    from conftest import REPO
     script = tmp_path / "traffic.py"
     script.write_text(TRAFFIC)
-    proc = run_launched_script(script, REPO)
+    proc = run_rank_script(script, 2)
     for dtype, got in json.loads(proc.stdout.strip().splitlines()[-1]).items():
         activations = [(d, s) for f, d, s in got["seen"] if "_c10d_functional.all_reduce" in f]
         forward = "torch.bfloat16" if dtype == "bf16" else "torch.float32"
@@ -265,11 +244,3 @@ def test_traffic_is_the_plan_lines(tmp_path):
         assert len(rest) == 1 and "allreduce" in rest[0], rest  # the clipping norm's squares
         sent = sum(2 * 16 * 8 * (2 if d == "torch.bfloat16" else 4) for d, _ in activations) * 2 * (2 - 1) / 2
         assert got["plan"] == sent, (dtype, got["plan"], sent)
-
-
-def run_launched_script(script, repo):
-    import subprocess
-    proc = subprocess.run([*torchrun(2), str(script), repo], capture_output=True, text=True, env=clean_env(), cwd=repo,
-                          timeout=LIMIT)
-    assert proc.returncode == 0, proc.stderr
-    return proc

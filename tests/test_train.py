@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from plumbing import checkpoints, inputs
-import train_gpt2
+from model import GPTConfig, GPT
 from conftest import REPO, make_shards, read_log, run_train, tiny_run_args
 from dataloader import DataLoader, ValLoader
 
@@ -88,10 +88,6 @@ def test_val_tokens_do_not_depend_on_batch_or_world(shards):
 
 # ----------------------------------------------------------------------------- checkpoints
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return make_shards(tmp_path_factory.mktemp("data") / "data")
-
 
 @pytest.fixture(scope="module")
 def finished(data, tmp_path_factory):
@@ -108,7 +104,7 @@ def test_checkpoint_loads_with_weights_only(finished):
     assert ckpt["step"] == 6 and ckpt["config"]["n_layer"] == 2
     assert ckpt["args"]["total_batch_size"] == 256 and ckpt["loader"]["seed"] == 1337
     assert isinstance(ckpt["val_loss"], float) and "torch" in ckpt["rng"]
-    model = train_gpt2.GPT(train_gpt2.GPTConfig(**ckpt["config"]))
+    model = GPT(GPTConfig(**ckpt["config"]))
     model.load_state_dict(ckpt["model"])
     assert len(ckpt["optimizer"]["state"]) == len(list(model.parameters()))
     log = read_log(finished, "val")
@@ -139,7 +135,7 @@ def test_crash_while_saving_leaves_no_truncated_checkpoint(tmp_path, monkeypatch
         checkpoints.atomic_save({"step": 10, "w": torch.zeros(3)}, path)
     with pytest.raises(KeyboardInterrupt):
         checkpoints.atomic_save({"step": 20}, str(tmp_path / "model_00020.pt"))
-    assert train_gpt2.list_checkpoints(str(tmp_path)) == [path]  # no model_00020.pt at all
+    assert checkpoints.list_checkpoints(str(tmp_path)) == [path]  # no model_00020.pt at all
     assert torch.equal(torch.load(path, weights_only=True)["w"], torch.ones(3))  # old one intact
 
 
@@ -162,7 +158,7 @@ def test_killed_while_saving_leaves_no_truncated_checkpoint(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not path.exists()
-    assert train_gpt2.list_checkpoints(str(tmp_path)) == []
+    assert checkpoints.list_checkpoints(str(tmp_path)) == []
 
 
 # ----------------------------------------------------------------------------- exact resume

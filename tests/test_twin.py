@@ -1,5 +1,5 @@
 """Our training step against transformers' (bench/twin_hf.py's two loops): from the same weights and batch, our
-train_step's gradients (the chunked loss of plumbing/fused_loss.py, the tied weight's two parts, clipping) equal those of
+train_step's gradients (the chunked loss of compute/fused_loss.py, the tied weight's two parts, clipping) equal those of
 GPT2LMHeadModel with F.cross_entropy within rounding in fp32, and round no worse than transformers' in bf16; over a few
 steps (fused AdamW, decay groups, get_lr) the losses, norms and weights stay together. 12 rows of 128 positions: 1536
 positions, more than LOSS_CHUNK, so the loss takes its chunked path, with a short last chunk. Nothing timed."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from plumbing.fused_loss import LOSS_CHUNK
+from compute.fused_loss import LOSS_CHUNK
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
 import twin_hf  # noqa: E402

@@ -3,6 +3,9 @@ The ways to make a step faster: the precision (bf16 where this machine computes 
 torch.compile (C++ kernels fused for the whole step, cached on disk) and Intel Extension for PyTorch
 (ipex.optimize), each used when it can run.
 """
+import copy
+import importlib.metadata
+import importlib.util
 import math
 import os
 import shutil
@@ -11,7 +14,8 @@ from contextlib import nullcontext
 
 import torch
 
-from plumbing import cache_dir, cpu
+from compute import cpu
+from plumbing.common import cache_dir
 
 # -----------------------------------------------------------------------------
 # The precision: --dtype auto|bf16|fp32. bf16 halves the bytes every matmul reads and, on a CPU with
@@ -94,8 +98,6 @@ def find_ipex(mode, device_type, compiles, print0):
         if mode == "on":
             raise SystemExit(f"error: --ipex on needs --device cpu or xpu, not {device_type}")
         return None
-    import importlib.metadata
-    import importlib.util
     if importlib.util.find_spec("intel_extension_for_pytorch") is None:
         if mode == "on":
             raise SystemExit("error: --ipex on, but intel_extension_for_pytorch is not installed "
@@ -109,7 +111,8 @@ def find_ipex(mode, device_type, compiles, print0):
     if version.split(".")[:2] != torch.__version__.split(".")[:2]:
         if mode == "on":
             raise SystemExit(f"error: --ipex on, but intel_extension_for_pytorch {version} needs torch "
-                             f"{'.'.join(version.split('.')[:2])}.*, not {torch.__version__} (see requirements-intel.txt)")
+                             f"{'.'.join(version.split('.')[:2])}.*, not {torch.__version__} "
+                             "(see requirements-intel.txt)")
         return None
     import intel_extension_for_pytorch as ipex
     return ipex
@@ -119,12 +122,12 @@ def find_ipex(mode, device_type, compiles, print0):
 # GPT-2 124M on 2 cores); the kernels are cached on disk, so a later run starts in a few seconds
 
 def compile_cache_dir():
-    """Where torch.compile keeps its kernels: $TORCHINDUCTOR_CACHE_DIR if you set it, else ~/.cache/gpt2-cpu/inductor/ISA
-    (PyTorch's own default, /tmp/torchinductor_$USER, is emptied at every reboot). One folder per vector ISA
-    (AVX512, AVX2, ...): a home folder can be shared by CPUs of different kinds, and kernels compiled under
-    AVX512 and then loaded in a process limited to AVX2 (ATEN_CPU_CAPABILITY=avx2) trained to NaN here.
-    PyTorch writes its default into the variable itself on first use (building a fused AdamW does), and child
-    processes inherit it: that value is PyTorch's choice, not yours, so it is replaced too."""
+    """Where torch.compile keeps its kernels: $TORCHINDUCTOR_CACHE_DIR if you set it, else
+    ~/.cache/gpt2-cpu/inductor/ISA (PyTorch's own default, /tmp/torchinductor_$USER, is emptied at every reboot). One
+    folder per vector ISA (AVX512, AVX2, ...): a home folder can be shared by CPUs of different kinds, and kernels
+    compiled under AVX512 and then loaded in a process limited to AVX2 (ATEN_CPU_CAPABILITY=avx2) trained to NaN here.
+    PyTorch writes its default into the variable itself on first use (building a fused AdamW does), and child processes
+    inherit it: that value is PyTorch's choice, not yours, so it is replaced too."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
@@ -188,7 +191,6 @@ def ipex_gradient_error(ipex, block, batch_size, seq_len, dtype):
     """(the largest relative difference between the norms of a parameter's gradient with ipex.optimize and without,
     that parameter's name) for one forward and backward of a copy of `block` at (batch_size, seq_len) in `dtype`
     ('bf16' or 'fp32'). Its random numbers come from a generator of its own: the run's stay as they were."""
-    import copy
     generator, width = torch.Generator().manual_seed(0), block.ln_1.normalized_shape[0]
     x = torch.randn(batch_size, seq_len, width, generator=generator)
     grad = torch.randn(batch_size, seq_len, width, generator=generator)
@@ -218,11 +220,10 @@ def time_block(block, batch_size, seq_len, dtype, turns=3):
     return best
 
 def decide_ipex(ipex, mode, dtype, block, batch_size, seq_len, ranks):
-    """IPEX (as found) if it trains right at this run's shapes and faster than the plain step, else None; with --ipex on,
-    right is enough, and wrong is one error line. block: one of the model's blocks (copied, not changed), timed with
+    """IPEX (as found) if it trains right at this run's shapes and faster than the plain step, else None; with --ipex
+    on, right is enough, and wrong is one error line. block: one of the model's blocks (copied, not changed), timed with
     ipex.optimize against as the trainer would run it without (eagerly: find_ipex leaves IPEX out of a compiled run).
     Every rank must agree: IPEX only if all choose it. Returns (IPEX or None, the line that says why)."""
-    import copy
     error, name = ipex_gradient_error(ipex, block, batch_size, seq_len, dtype)
     if error > IPEX_GRAD_TOLERANCE:
         why = (f"IPEX {ipex.__version__}'s {dtype} gradients are wrong at this run's {batch_size} x {seq_len} rows a "
@@ -233,21 +234,23 @@ def decide_ipex(ipex, mode, dtype, block, batch_size, seq_len, ranks):
     elif mode == "on":
         use, line = True, "ipex: used (--ipex on; a block's gradients checked at this run's shapes)"
         if dtype == "bf16" and cpu.has_amx():
-            line = (f"warning: {line}, but on a CPU with AMX IPEX's bf16 LayerNorm gradients were measured wrong in GPT-2 "
-                    "(docs/distributed.md)")
+            line = (f"warning: {line}, but on a CPU with AMX IPEX's bf16 LayerNorm gradients were measured wrong in "
+                    "GPT-2 (docs/distributed.md)")
     elif dtype == "bf16" and cpu.has_amx():
-        use, line = False, ("ipex: not used: on a CPU with AMX its bf16 gradients were measured wrong in GPT-2 (the first "
-                            "LayerNorm's bias 25% off at any batch, docs/distributed.md); --ipex on forces it")
+        use, line = False, ("ipex: not used: on a CPU with AMX its bf16 gradients were measured wrong in "
+                            "GPT-2 (the first LayerNorm's bias 25% off at any batch, docs/distributed.md); "
+                            "--ipex on forces it")
     else:
         plain = copy.deepcopy(block)
         ipex_block = copy.deepcopy(block)  # (training mode: IPEX wants the optimizer too, for its master weights)
         ipex_block, _ = ipex.optimize(ipex_block, optimizer=torch.optim.AdamW(ipex_block.parameters()), inplace=True,
                                       dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
         with torch.random.fork_rng():
-            plain_s, ipex_s = time_block(plain, batch_size, seq_len, dtype), time_block(ipex_block, batch_size, seq_len, dtype)
+            plain_s, ipex_s = (time_block(plain, batch_size, seq_len, dtype),
+                               time_block(ipex_block, batch_size, seq_len, dtype))
         use = ipex_s < plain_s
-        line = (f"ipex: {'used' if use else 'not used'}: a block's forward and backward took {1000 * ipex_s:.0f} ms with "
-                f"IPEX vs {1000 * plain_s:.0f} ms plain (--ipex on|off forces it)")
+        line = (f"ipex: {'used' if use else 'not used'}: a block's forward and backward took {1000 * ipex_s:.0f} ms "
+                f"with IPEX vs {1000 * plain_s:.0f} ms plain (--ipex on|off forces it)")
     if ranks is not None and ranks.world_size > 1:
         use = ranks.all_reduce_sum(torch.tensor(float(use), device=ranks.device)).item() == ranks.world_size
     return (ipex if use else None), line
@@ -270,7 +273,8 @@ def compile_if_possible(model, ipex, device_type, print0):
         print0("compile: off, because IPEX optimized the model (--ipex off to compile instead)")
         return model, False
     import torch._dynamo  # (the optimizer's constructor imported it already)
-    if torch._dynamo.config.disable:  # TORCH_COMPILE_DISABLE=1: torch.compile would return a wrapper that compiles nothing
+    # TORCH_COMPILE_DISABLE=1: torch.compile would return a wrapper that compiles nothing
+    if torch._dynamo.config.disable:
         print0("compile: off (TORCH_COMPILE_DISABLE=1)")
         return model, False
     if not can_compile(device_type):

@@ -4,7 +4,7 @@ micro-batches flowing through them (torch.distributed.pipelining: PipelineStage 
 Between two stages travels one activation tensor per micro-batch forward, and its gradient backward: for a model
 too big for one node, over slow links, far fewer bytes than FSDP's gathering of every weight (docs/parallel.md).
 
-One device mesh, (dp, pp): rank r is stage r % pp of data-parallel replica r // pp. The stages of one replica read
+One device mesh, (dp, pp, tp): each rank's place on it is mesh.place's. The stages of one replica read
 the same micro-batches; a stage's replicas average their gradients with DDP (--shard none), or hold 1/dp of the
 stage each and gather it as FSDP does (--shard full: ZeRO-3, --shard grads: ZeRO-2; see shard_stage).
 
@@ -13,11 +13,15 @@ The model is openly GPT: the first stage holds the embeddings, the last ln_f and
 between the first and the last stage), so they stay equal, and gradient clipping counts the weight once.
 """
 
+import functools
+
 import torch
 import torch.distributed as dist
 
-from plumbing.stage import Side, Stage, Target
-from plumbing.stage_split import stage_bounds, stage_plan
+from parallel import mesh, parts, sizes, tensor_parallel
+from parallel.sharding import precision
+from parallel.stage import Side, Stage, Target
+from parallel.stage_split import stage_bounds, stage_plan
 
 def check_layout(args, world_size):
     """One error line for a layout that cannot run, before anything expensive. Returns the data-parallel size."""
@@ -30,46 +34,23 @@ def check_layout(args, world_size):
     if pp > 1 and args.lora and args.shard != "none" and world_size > pp:
         raise SystemExit(f"error: --pp {pp} --lora runs with --shard none (sharded stages with adapters: not yet)")
     dp = world_size // pp
-    steps = args.total_batch_size // max(args.batch_size * args.seq_len * dp, 1)
+    steps = sizes.micro_steps(args.total_batch_size, args.batch_size, args.seq_len, dp)
     if pp > 1 and args.pp_schedule == "1f1b" and steps < pp:
         raise SystemExit(f"error: --pp {pp} --pp_schedule 1f1b needs at least {pp} micro-batches a step, and "
                          f"--total_batch_size {args.total_batch_size} gives {steps} (--batch_size {args.batch_size} x "
                          f"--seq_len {args.seq_len} x {dp} replica(s)): raise it, or use --pp_schedule gpipe")
     return dp
 
-def replica_ranks(ranks, pp):
-    """This rank as the data loader sees it: its data-parallel replica among the replicas (every stage of a replica
-    reads the same micro-batches). Only global rank 0 prints."""
-    import dataclasses
-    replica = dataclasses.replace(ranks, rank=ranks.rank // pp, world_size=ranks.world_size // pp)
-    if not ranks.master:
-        replica.print0 = lambda *a, **k: None
-    return replica
-
-def memory_budget(args):
-    """--max_memory in bytes, or None: a pipeline's stages are cut to fit it (stage_split.stage_bounds)."""
-    return args.max_memory * 2**30 if getattr(args, "max_memory", None) else None
-
-def local(t):
-    """A sharded tensor's piece on this rank (a DTensor's local part); any other tensor as it is."""
-    from torch.distributed.tensor import DTensor
-    return t.to_local() if isinstance(t, DTensor) else t
-
-def whole(t):
-    """A sharded tensor gathered whole (every rank of its mesh calls it); any other tensor as it is."""
-    from torch.distributed.tensor import DTensor
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-def shard_stage(stage, mesh, shard, bf16):
-    """FSDP2 within a stage, over its dp replicas (mesh): each of the stage's blocks is a unit, the stage itself (its
+def shard_stage(stage, dp_mesh, shard, bf16):
+    """FSDP2 within a stage, over its dp replicas (dp_mesh): each of the stage's blocks is a unit, the stage itself (its
     embeddings, or ln_f and lm_head) the root, as sharding.shard_model does for a whole GPT. --shard grads keeps a
     unit's weights gathered after its forward; the schedule keeps them after every backward but the step's last
     (PipelineStage does, for FSDP), then reduce-scatters the gradients once."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    from torch.distributed.fsdp import fully_shard  # (here, as every heavy torch.distributed module: 0.8 s to import)
+    policy = precision(bf16)
     for i in stage.blocks:
-        fully_shard(stage.gpt.transformer.h[i], mesh=mesh, mp_policy=policy, reshard_after_forward=shard == "full")
-    fully_shard(stage, mesh=mesh, mp_policy=policy, reshard_after_forward=shard == "full")
+        fully_shard(stage.gpt.transformer.h[i], mesh=dp_mesh, mp_policy=policy, reshard_after_forward=shard == "full")
+    fully_shard(stage, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=shard == "full")
 
 # -----------------------------------------------------------------------------
 # The pipeline: this rank's stage, its groups, its schedule
@@ -78,42 +59,43 @@ class Pipeline:
     """This rank's stage of a GPT (model: cut down to it, in place), its place on the (dp, pp) mesh, and its
     schedule. step() runs one optimizer step's forward and backward; calling it evaluates a batch."""
 
-    def __init__(self, model, args, ranks, n_microbatches, print0, dtype="fp32"):
+    def __init__(self, model, args, ranks, n_microbatches, print0, dtype="fp32", whole=None):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-        from plumbing import tensor_parallel, world
         self.pp, self.tp = args.pp, getattr(args, "tp", 1)  # (a test's arguments may name only --pp)
         self.ranks = ranks  # (a checkpoint's pieces are read on its disk)
         self.dp = ranks.world_size // (self.pp * self.tp)
-        self.index, self.replica = (ranks.rank // self.tp) % self.pp, ranks.rank // (self.pp * self.tp)
+        self.replica, self.index, self.tp_rank = mesh.place(ranks.rank, self.pp, self.tp)
         self.config, device_type = model.config, ranks.device.split(":")[0]
-        mesh = world.mesh_of(ranks.world_size, self.pp, self.tp, device_type)
-        self.pp_group, self.dp_group, self.tp_group = (mesh.get_group(d) for d in ("pp", "dp", "tp"))
-        # global ranks: this rank's stage 0 and stage s (the same tensor-parallel rank t of the same replica d)
-        rank_of = lambda d, s, t: (d * self.pp + s) * self.tp + t  # noqa: E731
-        self.rank_of_stage = lambda s: rank_of(self.replica, s, ranks.rank % self.tp)  # noqa: E731
+        # whole(): the whole model, built on the meta device: the names one process gives its tensors (adapters too)
+        self.whole = whole or functools.partial(type(model), model.config)
+        device_mesh = mesh.mesh_of(ranks.world_size, self.pp, self.tp, device_type)
+        self.pp_group, self.dp_group, self.tp_group = (device_mesh.get_group(d) for d in ("pp", "dp", "tp"))
         self.first_rank, self.last_rank = self.rank_of_stage(0), self.rank_of_stage(self.pp - 1)
         # the tied weight's two copies: a group for each replica and tensor-parallel rank, its first and last stage
         # (every rank makes every group)
-        tied = {(d, t): dist.new_group([rank_of(d, 0, t), rank_of(d, self.pp - 1, t)])
+        tied = {(d, t): dist.new_group([mesh.rank_at(d, 0, t, self.pp, self.tp), mesh.rank_at(d, self.pp - 1, t,
+                                                                                                 self.pp, self.tp)])
                 for d in range(self.dp) for t in range(self.tp)}
-        self.tied_group = tied[self.replica, ranks.rank % self.tp]
-        self.bounds = stage_bounds(model.config, self.pp, args.seq_len, memory_budget(args), dtype == "bf16", self.tp)
+        self.tied_group = tied[self.replica, self.tp_rank]
+        self.bounds = stage_bounds(model.config, self.pp, args.seq_len,
+                                   sizes.max_memory_bytes(getattr(args, "max_memory", None)), dtype == "bf16", self.tp)
         self.stage = Stage(model, self.index, self.pp, self.bounds[self.index], dtype, device_type)
         if self.tp > 1:  # --tp: the stage's blocks split across the tensor-parallel ranks (built split in a run)
-            tensor_parallel.split_built(self.stage.gpt, mesh["tp"], self.tp)
+            tensor_parallel.split_built(self.stage.gpt, device_mesh["tp"], self.tp)
         self.first, self.last = self.stage.first, self.stage.last
         self.shard = args.shard if self.dp > 1 else "none"  # (one replica: nothing to split)
         self.bf16, self.backend = dtype == "bf16", dist.get_backend()
         trained = self.stage
         if self.shard != "none":  # (sharded in place: the optimizer made after this holds the pieces)
-            shard_stage(self.stage, mesh["dp"], self.shard, self.bf16)
+            shard_stage(self.stage, device_mesh["dp"], self.shard, self.bf16)
         elif self.dp > 1 and self.tp == 1:  # each stage's replicas average its gradients (the schedule asks for it at
             from torch.nn.parallel import DistributedDataParallel as DDP  # the last micro-batch; --tp: step() does)
             trained = DDP(self.stage, process_group=self.dp_group)
         # the shapes that travel, given (static mode): else the schedule would infer them by running a first
         # micro-batch through a copy of the loss with its target as a tensor, which ours (Target) is not
         B, T, C = args.batch_size, args.seq_len, model.config.n_embd
-        stream = torch.empty(B, T, C, device="meta", requires_grad=True)  # the residual stream: fp32 also under autocast
+        # the residual stream: fp32 also under autocast
+        stream = torch.empty(B, T, C, device="meta", requires_grad=True)
         loss = torch.empty((), device="meta", requires_grad=True)  # the last stage's output
         self.pipe_stage = PipelineStage(trained, self.index, self.pp, torch.device(ranks.device), group=self.pp_group,
                                         input_args=torch.empty(B, T, dtype=torch.long, device="meta") if self.first
@@ -123,17 +105,17 @@ class Pipeline:
         # the last stage's output is that loss (computed in its forward, where FSDP has lm_head gathered)
         self.schedule = schedule(self.pipe_stage, n_microbatches, loss_fn=lambda loss, _: loss, scale_grads=False)
         self.n_microbatches, self.batch, self.seq_len = n_microbatches, args.batch_size, args.seq_len
-        # --lora: the adapters (in each stage's blocks) are what trains and what a checkpoint holds of the model
-        self.lora = (args.lora, args.lora_alpha, args.lora_targets) if getattr(args, "lora", 0) else None
         print0(plan_line(self, args.pp_schedule))
+
+    def rank_of_stage(self, stage):
+        """The global rank of that stage of this rank's replica, at this rank's tensor-parallel place."""
+        return mesh.rank_at(self.replica, stage, self.tp_rank, self.pp, self.tp)
 
     def step(self, batches, n_targets, max_norm):
         """One optimizer step's gradients, summed over its micro-batches (batches: [(x, y, packed)], the same on every
         stage of a replica; n_targets: the step's targets over all replicas, or None when every micro-batch holds as
         many), then clipped to max_norm. Returns (the step's mean loss, the global gradient norm before clipping)."""
-        from plumbing.fused_loss import IGNORE
-        weights = [1 / len(batches) if n_targets is None else int((y != IGNORE).sum()) * self.dp / max(n_targets, 1)
-                   for _, y, _ in batches]
+        weights = [sizes.loss_weight(y, n_targets, self.dp, len(batches)) for _, y, _ in batches]
         args = [(x,) for x, _, _ in batches] if self.first else None
         kwargs = [{"side": Side(packed, Target(y, packed, w) if self.last else None)}
                   for (_, y, packed), w in zip(batches, weights)]
@@ -150,8 +132,7 @@ class Pipeline:
             self.schedule._step_microbatches(args, kwargs, targets, losses)
         self.sum_tied_gradients()
         if self.tp > 1:  # (DDP does it for a stage not split)
-            from plumbing.tensor_parallel import average_replicas
-            average_replicas(self.stage.parameters(), self.dp_group, self.dp)
+            tensor_parallel.average_replicas(self.stage.parameters(), self.dp_group, self.dp)
         loss = torch.stack(losses).sum().detach() if self.last else torch.zeros(())
         dist.all_reduce(loss)  # the last stage of each replica (its tp ranks alike) holds its mean: the replicas' mean
         return loss / (self.dp * self.tp), self.clip(max_norm)
@@ -170,24 +151,23 @@ class Pipeline:
             gpt = self.stage.gpt
             tied = (gpt.transformer.wte if self.first else gpt.lm_head).weight
             if tied.requires_grad:  # (frozen under --lora: no gradient; sharded: the same piece at both ends)
-                dist.all_reduce(local(tied.grad), group=self.tied_group)
+                dist.all_reduce(sizes.local(tied.grad), group=self.tied_group)
 
     def clip(self, max_norm):
         """torch.nn.utils.clip_grad_norm_ over the whole model: the global norm sums every stage's squares, counting the
         tied weight once (the first stage's copy), and a split block's once (tensor_parallel.squares); every stage
         scales its gradients by the same factor. Sharded, each rank squares its pieces and the sum runs over every rank
         (replicas hold different pieces, not copies)."""
-        from plumbing import tensor_parallel
-        grads = [local(p.grad) for p in self.stage.parameters() if p.grad is not None]
-        counted = lambda n: not (n == "gpt.lm_head.weight" and not self.first)  # noqa: E731
-        squares = tensor_parallel.squares(self.stage.named_parameters(), self.tp_group, counted)
+        grads = [sizes.local(p.grad) for p in self.stage.parameters() if p.grad is not None]
+        counted = [p for n, p in self.stage.named_parameters() if self.first or n != "gpt.lm_head.weight"]
+        squares = tensor_parallel.squares(counted, self.tp_group)
         dist.all_reduce(squares, group=self.pp_group if self.shard == "none" else None)
         return tensor_parallel.clip(grads, squares, max_norm)
 
     @torch.no_grad()
     def __call__(self, x, y, packed=None):
-        """(None, the loss of one batch) on every stage of the replica, as GPT.forward returns it: the activations
-        go from stage to stage (no schedule: evaluation has no backward to overlap), the last stage's loss comes back."""
+        """(None, the loss of one batch) on every stage of the replica, as GPT.forward returns it: the activations go
+        from stage to stage (no schedule: evaluation has no backward to overlap), the last stage's loss comes back."""
         side = Side(packed, Target(y, packed, 1.0) if self.last else None)
         if self.first:
             h = self.stage(x, side)
@@ -204,20 +184,17 @@ class Pipeline:
         return None, loss
 
     # -------------------------------------------------------------------------
-    # Checkpoints: each rank writes and reads its stage's part, in the whole model's names (plumbing/parts.py)
+    # Checkpoints: each rank writes and reads its stage's part, in the whole model's names (parallel/parts.py)
 
     def whole_model(self):
         """The whole model on the meta device (shapes, no storage): its names, as one process has them."""
-        import lora
         with torch.device("meta"):
-            gpt = type(self.stage.gpt)(self.config)
-            return lora.add_adapters(gpt, *self.lora, init=False) if self.lora else gpt
+            return self.whole()
 
     def state(self, optimizer, pieces=True):
         """This stage's weights and AdamW state as DCP writes and reads them: the whole model's names, the tied weight
         under both of its names on both its stages (written once: they hold it alike), its moments under wte's; split
         (--tp), c_attn's rows as their blocks of the whole (tensor_parallel.as_pieces), unless not pieces."""
-        from plumbing import parts
         state = parts.state_of(self.stage.gpt, optimizer)
         model, moments = state["model"], state["optimizer"]["state"]
         for mine, other in (("transformer.wte.weight", "lm_head.weight"), ("lm_head.weight", "transformer.wte.weight")):
@@ -231,14 +208,12 @@ class Pipeline:
 
     def as_pieces(self, state):
         """state as DCP should see it: split (--tp), c_attn's rows as their blocks of the whole; else as it is."""
-        from plumbing import tensor_parallel
         return tensor_parallel.as_pieces(state, self.config.n_embd, self.tp, self.tp_group) if self.tp > 1 else state
 
     def load_sharded(self, source, optimizer):
         """A checkpoint of any layout into this stage and its AdamW: a .dcp folder (DCP reads just this stage's
         tensors), or a one-process checkpoint by name (parts.by_name: each tensor's part cut from the whole)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_state_dict
-        from plumbing import parts
         plain = self.state(optimizer, pieces=False)
         def into(_):  # (what was read went into plain's tensors, in place: the pieces are views of them)
             moments = dict(plain["optimizer"]["state"])
@@ -251,16 +226,16 @@ class Pipeline:
         parts.load(source, self.as_pieces(plain), into, self.ranks)
 
     def check_same_weights(self, ranks):
-        """The end-of-run check (world.check_same_weights), for a model in stages, by digests (plumbing/parts.py): the
+        """The end-of-run check (world.check_same_weights), for a model in stages, by digests (parallel/parts.py): the
         replicas of each stage hold the same weights, and the tied weight's two copies are equal."""
-        from plumbing import parts
         gpt, tied = self.stage.gpt, {}
         if self.pp > 1 and (self.first or self.last):
-            tied["the tied weight (wte, lm_head)"] = parts.digest({"w": whole(
+            tied["the tied weight (wte, lm_head)"] = parts.digest({"w": sizes.whole(
                 (gpt.transformer.wte if self.first else gpt.lm_head).weight)})  # (sharded: gathered, this one tensor)
         # sharded stages: each of a stage's ranks holds its own pieces (nothing to compare); else whole copies
         tp_rank = dist.get_rank(self.tp_group)
-        replica, position = (0, (self.index, self.replica)) if self.shard != "none" else (self.replica, (self.index, tp_rank))
+        replica, position = ((0, (self.index, self.replica)) if self.shard != "none" else
+                             (self.replica, (self.index, tp_rank)))
         parts.check_same_parts(ranks, self.stage.state_dict(), replica, position, tied)
 
 # -----------------------------------------------------------------------------
@@ -276,16 +251,17 @@ def plan_line(pipe, schedule):
     how += f", each stage's blocks split over {pipe.tp} tensor-parallel ranks" if pipe.tp > 1 else ""
     lines = [f"pipeline: {N} stages x {pipe.dp} data-parallel replica(s){how}, schedule {schedule}, {M} micro-batches "
              f"a step: bubble (N-1)/(M+N-1) = {(N - 1) / (M + N - 1):.1%}"]
-    plan = stage_plan(pipe.config, pipe.bounds, pipe.batch, pipe.seq_len, M, pipe.dp, pipe.shard, pipe.bf16, pipe.backend,
-                      pipe.tp)
+    plan = stage_plan(pipe.config, pipe.bounds, pipe.batch, pipe.seq_len, M, pipe.dp, pipe.shard, pipe.bf16,
+                      pipe.backend, pipe.tp)
     share = pipe.dp if pipe.shard != "none" else 1
-    from plumbing.layouts import beyond_state
     for s, (what, params, sent) in enumerate(plan):
-        gathered = {"none": "", "full": f" (+ {4 * params / 2**30:.3f} GiB: its weights, gathered whole by a backward)",
-                    "grads": f" (+ {4 * params / 2**30:.3f} GiB: its weights, gathered for the step)"}[pipe.shard]
-        peak = 16 * params / share + beyond_state(params / share, (s == 0) + (s == N - 1), pipe.config, pipe.bf16)
-        lines.append(f"  stage {s}: {what}: {params / 1e6:.2f}M parameters, {16 * params / share / 2**30:.3f} GiB of "
-                     f"weights, gradients and AdamW state a rank{gathered}, ~{peak / 2**30:.2f} GiB at its peak (with "
-                     f"the process, temporaries{', bf16 copies' if pipe.bf16 else ''}); each of its ranks sends "
+        gathered = {"none": "",
+                    "full": f" (+ {4 * params / sizes.GiB:.3f} GiB: its weights, gathered whole by a backward)",
+                    "grads": f" (+ {4 * params / sizes.GiB:.3f} GiB: its weights, gathered for the step)"}[pipe.shard]
+        peak = sizes.training_memory(params / share, (s == 0) + (s == N - 1), pipe.config, pipe.bf16)
+        state = sizes.STATE_BYTES * params / share / sizes.GiB
+        lines.append(f"  stage {s}: {what}: {params / 1e6:.2f}M parameters, {state:.3f} GiB of "
+                     f"weights, gradients and AdamW state a rank{gathered}, ~{peak / sizes.GiB:.2f} GiB at its peak "
+                     f"(with the process, temporaries{', bf16 copies' if pipe.bf16 else ''}); each of its ranks sends "
                      f"{sent / 1e6:.1f} MB a step")
     return "\n".join(lines)

@@ -1,11 +1,14 @@
 """
 One stage of pipeline parallel (--pp N) as a module: the GPT with what the other stages hold removed, whose forward
-runs this stage's part of a micro-batch (and, on the last stage, its loss). plumbing/pipeline.py's schedule calls it;
-plumbing/stage_split.py says where the stages are cut.
+runs this stage's part of a micro-batch (and, on the last stage, its loss). parallel/pipeline.py's schedule calls it;
+parallel/stage_split.py says where the stages are cut.
 """
 
 import torch
 import torch.nn as nn
+
+from compute import speedups
+from compute.fused_loss import lm_head_loss
 
 def cut_to_stage(gpt, index, n_stages, blocks):
     """gpt, in place, with what other stages hold removed: their blocks become Identity, so the parameters keep the
@@ -29,11 +32,14 @@ class Stage(nn.Module):
 
     def __init__(self, gpt, index, n_stages, blocks, dtype="fp32", device_type="cpu"):
         super().__init__()
-        from plumbing import speedups  # the run's autocast, made afresh for each forward (the schedule runs them)
-        self.autocast = lambda: speedups.autocast(dtype, device_type)
+        self.dtype, self.device_type = dtype, device_type
         self.first, self.last, self.blocks = index == 0, index == n_stages - 1, range(*blocks)
         self.gpt = cut_to_stage(gpt, index, n_stages, blocks)
         self.compiled = None  # run(), compiled (pipeline.Pipeline.compile): for training; evaluation runs it eagerly
+
+    def autocast(self):
+        """The run's autocast, made afresh for each forward (the schedule runs them)."""
+        return speedups.autocast(self.dtype, self.device_type)
 
     def forward(self, x, side=None):
         if self.compiled is not None and torch.is_grad_enabled():
@@ -47,7 +53,6 @@ class Stage(nn.Module):
 
     def loss(self, h, target):
         """The last stage's loss of one micro-batch, as GPT.forward computes it, times its weight in the step."""
-        from plumbing.fused_loss import lm_head_loss
         y, packed = target.y, target.packed
         if packed is not None:  # only the targets' positions through lm_head
             h, y = h.flatten(0, 1)[packed.picked], y.flatten()[packed.picked]
@@ -76,7 +81,8 @@ class Side:
         self.packed, self.target = packed, target
 
 class Target:
-    """What the last stage's loss needs of a micro-batch: its targets, its packing, and its weight in the step's mean."""
+    """What the last stage's loss needs of a micro-batch: its targets, its packing, and its weight in the step's
+    mean."""
 
     def __init__(self, y, packed, weight):
         self.y, self.packed, self.weight = y, packed, weight

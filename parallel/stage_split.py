@@ -1,19 +1,23 @@
 """
-Where pipeline parallel (--pp N, plumbing/pipeline.py) cuts the GPT, and what each stage then holds and sends: the
+Where pipeline parallel (--pp N, parallel/pipeline.py) cuts the GPT, and what each stage then holds and sends: the
 blocks cut so that the stages take equal time (or, with --max_memory, fit it), each stage's parameters, and its
 bytes a step, computed (the pipeline's plan line and --parallel auto's plan both read them). Arithmetic only: the
-stage as a module is plumbing/stage.py.
+stage as a module is parallel/stage.py.
 
 The model is openly GPT: the first stage holds the embeddings, the last ln_f and lm_head, whose weight is wte's
 (tied): each of the two keeps its copy (pipeline.py sums their gradients every step).
 """
+from parallel import sizes
+from parallel.sharding import bytes_sent
+from parallel.tensor_parallel import all_reduce_bytes
 
 # -----------------------------------------------------------------------------
 # Cutting the model: contiguous runs of blocks, balanced by their compute
 
 def stage_costs(config, seq_len):
     """Forward FLOPs per token: (a block's, lm_head's with its loss). A block: its four matmuls (24 C^2) and attention
-    (4 T C, as if not causal: the kernel's work). The embeddings are lookups: no FLOPs, but they are the first stage's."""
+    (4 T C, as if not causal: the kernel's work). The embeddings are lookups: no FLOPs, but they are the first
+    stage's."""
     C = config.n_embd
     return 24 * C * C + 4 * seq_len * C, 2 * config.vocab_size * C
 
@@ -44,33 +48,26 @@ def split_blocks(n_layer, n_stages, block_cost, head_cost, fits=None):
         b = cut[s][b]
     return bounds[::-1]
 
-def stage_params(config, a, b, first, last, tp=1):
-    """A stage's parameters a rank holds: a block's 12 C^2 + 13 C each (split over --tp's ranks but for 6 C:
-    tensor_parallel.rank_plan), the embeddings' (V + block_size) C on the first stage, ln_f's 2 C and lm_head's copy
-    of wte, V C, on the last."""
-    C, V = config.n_embd, config.vocab_size
-    return (b - a) * ((12 * C * C + 7 * C) / tp + 6 * C) + first * (V + config.block_size) * C + last * (2 * C + V * C)
-
 def stage_bounds(config, n_stages, seq_len, budget=None, bf16=False, tp=1):
     """Each stage's (first block, end), balanced by compute (split_blocks); with a budget (--max_memory, bytes a rank),
-    the most balanced cut whose every stage's peak (its state and layouts.beyond_state, activations aside; a rank's
-    share of it under --tp) fits in it, where one does: the first and last stages, which hold the vocabulary's
-    matrices, then take fewer blocks."""
-    from plumbing.layouts import beyond_state
+    the most balanced cut whose every stage's peak (sizes.training_memory, activations aside; a rank's share of it
+    under --tp) fits in it, where one does: the first and last stages, which hold the vocabulary's matrices, then take
+    fewer blocks."""
     def fits(s, a, b):
         first, last = s == 0, s == n_stages - 1
-        params = stage_params(config, a, b, first, last, tp)
-        return 16 * params + beyond_state(params, first + last, config, bf16) <= budget
-    cut = lambda fits: split_blocks(config.n_layer, n_stages, *stage_costs(config, seq_len), fits)  # noqa: E731
-    return (budget and cut(fits)) or cut(None)
+        params = sizes.stage_parameters(config, a, b, first, last, tp)
+        return sizes.training_memory(params, first + last, config, bf16) <= budget
+    costs = stage_costs(config, seq_len)
+    fitting = budget and split_blocks(config.n_layer, n_stages, *costs, fits)
+    return fitting or split_blocks(config.n_layer, n_stages, *costs)
 
 # -----------------------------------------------------------------------------
 # What each stage holds and sends, computed
 
 def stage_plan(config, bounds, batch, seq_len, n_microbatches, dp, shard="none", bf16=False, backend="gloo", tp=1):
-    """[(what it holds, its parameters, bytes each of its ranks sends a step)] per stage. Parameters: a block's
-    12 C^2 + 13 C, the embeddings' (V + block_size) C on the first stage, ln_f's 2 C and lm_head's copy of wte, V C, on
-    the last. Sent: an fp32 activation (B, T, C) a micro-batch to the next stage, its gradient to the one before; the
+    """[(what it holds, its parameters, bytes each of its ranks sends a step)] per stage. Parameters: a rank's share of
+    its blocks, the embeddings on the first stage, ln_f and lm_head's copy of wte on the last (sizes.stage_parameters).
+    Sent: an fp32 activation (B, T, C) a micro-batch to the next stage, its gradient to the one before; the
     tied gradient to the other end (a 2-rank all-reduce sends it once; sharded, each rank's 1/dp piece of it); and
     among the stage's dp ranks what sharding.bytes_sent computes for the stage's parameters: DDP's ring all-reduce,
     or FSDP's gathers and reduce-scatter. Under the schedule, --shard full gathers a unit's weights M + 1 times a step,
@@ -78,17 +75,16 @@ def stage_plan(config, bounds, batch, seq_len, n_microbatches, dp, shard="none",
     those after another forward gather, and of the backwards only those after a forward: for 1F1B and GPipe alike,
     every forward and then the first backward. Split (--tp), each rank also sends its blocks' tensor-parallel
     all-reduces (tensor_parallel.rank_plan)."""
-    from plumbing.sharding import bytes_sent
     C, V, pp = config.n_embd, config.vocab_size, len(bounds)
     activation = batch * seq_len * C * 4 * n_microbatches
     gathers = {"none": None, "full": n_microbatches + 1, "grads": 1}[shard]
     plan = []
     for s, (a, b) in enumerate(bounds):
         first, last = s == 0, s == pp - 1
-        params = stage_params(config, a, b, first, last, tp)
+        params = sizes.stage_parameters(config, a, b, first, last, tp)
         tied = (pp > 1 and (first or last)) * V * C * 4 / (dp if shard != "none" else 1)
         sent = (not last) * activation + (not first) * activation + tied
-        sent += n_microbatches * (b - a) * 2 * 2 * (tp - 1) / tp * batch * seq_len * C * ((2 if bf16 else 4) + 4)
+        sent += all_reduce_bytes(b - a, n_microbatches, tp, batch, seq_len, C, bf16)
         sent += bytes_sent(params, params, dp, shard, n_microbatches, bf16, backend, gathers) if dp > 1 else 0
         what = ("embeddings + " if first else "") + f"blocks {a}-{b - 1}" + (" + ln_f, lm_head" if last else "")
         plan.append((what, params, sent))

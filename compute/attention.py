@@ -2,6 +2,8 @@
 Causal self-attention, forward and backward, as fast as this CPU does it: PyTorch's own (F.scaled_dot_product_attention)
 or, on a CPU with AMX or AVX512-BF16, our kernel in attention.cpp, whichever is measured faster at the model's shape.
 """
+import fcntl
+import hashlib
 import math
 import os
 import time
@@ -9,7 +11,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from plumbing import cache_dir, cpu, one_line
+from compute import cpu
+from plumbing.common import cache_dir, one_line
 
 # Why a kernel of our own. On an Intel Xeon with AMX (2 cores), a GPT-2 (124M) step in bf16 spent 27% of its time in
 # PyTorch's CPU flash attention for a tenth of its FLOPs: forward and backward of one layer (B 4, 12 heads, T 1024,
@@ -17,11 +20,11 @@ from plumbing import cache_dir, cpu, one_line
 # through a general GEMM call each, and its backward walks keys by queries. attention.cpp takes 64 queries at a
 # time against all the keys they see, and does every product as AMX tile products (oneDNN's brgemm, which PyTorch
 # ships): the block's scores are at most 64 x T fp32 (256 KB at T 1024) and stay in the core's L2 cache, so the
-# softmax is exact over the row, in fp32, as SDPA's. The numbers differ from SDPA's by rounding only (tests/test_attention.py
-# checks both against an fp64 reference). Without AMX, on AVX512-BF16 (AMD EPYC Zen 4 and 5, Cooper Lake Xeons), the
-# same brgemm calls run oneDNN's AVX-512 kernels (vdpbf16ps, the bf16 matmuls' own instruction there): on a 2-core
-# Zen 4, one layer's forward ran at ~260 GFLOP/s and backward ~270-290, 2.2-2.9x SDPA's, two thirds of the weight
-# matmuls' rate (bench/bench_attention.py, docs/performance.md).
+# softmax is exact over the row, in fp32, as SDPA's. The numbers differ from SDPA's by rounding only
+# (tests/test_attention.py checks both against an fp64 reference). Without AMX, on AVX512-BF16 (AMD EPYC Zen 4 and 5,
+# Cooper Lake Xeons), the same brgemm calls run oneDNN's AVX-512 kernels (vdpbf16ps, the bf16 matmuls' own instruction
+# there): on a 2-core Zen 4, one layer's forward ran at ~260 GFLOP/s and backward ~270-290, 2.2-2.9x SDPA's, two thirds
+# of the weight matmuls' rate (bench/bench_attention.py, docs/performance.md).
 
 chosen = False  # causal() runs attention.cpp's kernel (set by choose(), once per run)
 
@@ -34,9 +37,10 @@ def causal(q, k, v):
 def choose(dtype, batch_size, n_head, seq_len, head_size, ranks=None):
     """Decide, for this run, which causal attention trains faster at its shape; returns the line that says why.
     Only bf16 has a choice (the kernel is bf16), only where it loads (AMX or AVX512-BF16), and only for heads of a
-    multiple of 32 values (its 16 x 16 transposes of value pairs). Measured as the dtype is: both, forward and backward of one
-    layer's shape, in turns, each keeping its best, in CPU time (the process's: another job that takes a core away
-    for a while slows the wall clock, not the work); every rank must agree, so all take PyTorch's unless all chose ours."""
+    multiple of 32 values (its 16 x 16 transposes of value pairs). Measured as the dtype is: both, forward and backward
+    of one layer's shape, in turns, each keeping its best, in CPU time (the process's: another job that takes a core
+    away for a while slows the wall clock, not the work); every rank must agree, so all take PyTorch's unless all chose
+    ours."""
     global chosen
     chosen = False
     if dtype != "bf16" or head_size % 32:
@@ -49,7 +53,8 @@ def choose(dtype, batch_size, n_head, seq_len, head_size, ranks=None):
     if best is None:
         return f"attention: PyTorch's (scaled_dot_product_attention; {why_not})"
     times = f"{1000 * best['ours']:.0f} ms vs PyTorch's {1000 * best['sdpa']:.0f} ms of CPU time"
-    return (f"attention: {f'ours (attention.cpp, {bf16_units()})' if chosen else 'PyTorch' + chr(39) + 's'}: forward and backward of "
+    choice = f"ours (attention.cpp, {bf16_units()})" if chosen else "PyTorch's"
+    return (f"attention: {choice}: forward and backward of "
             f"one layer ({batch_size} x {n_head} heads x {seq_len} x {head_size}) took ours {times}")
 
 def measure(batch_size, n_head, seq_len, head_size):
@@ -85,7 +90,6 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention.cpp
 def build_dir():
     """Where attention.cpp is built: one folder for each torch and each version of the source (two venvs or two
     checkouts never rebuild each other's)."""
-    import hashlib
     with open(SOURCE, "rb") as f:
         return cache_dir("extensions", torch.__version__, hashlib.sha256(f.read()).hexdigest()[:12])
 
@@ -97,7 +101,6 @@ def kernel():
     if _kernel is None:
         _kernel = False
         if bf16_units() and torch.backends.mkldnn.is_available():
-            import fcntl
             from torch.utils import cpp_extension
             source, build = SOURCE, build_dir()
             os.makedirs(build, exist_ok=True)

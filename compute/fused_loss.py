@@ -20,8 +20,8 @@ IGNORE = -100  # F.cross_entropy's ignore_index, and transformers' label for a p
 LOSS_CHUNK = 1024  # positions per chunk: their fp32 logits take 1024 x 50304 x 4 bytes = 206 MB
 
 def lm_head_loss(x, weight, targets):
-    """F.cross_entropy(x @ weight.T, targets, ignore_index=IGNORE) for x (..., C) and targets (...), chunk by chunk,
-    but 0 where nothing is a target. Under autocast the matmuls run in its dtype, as lm_head's would; softmax in fp32."""
+    """F.cross_entropy(x @ weight.T, targets, ignore_index=IGNORE) for x (..., C) and targets (...), chunk by chunk, but
+    0 where nothing is a target. Under autocast the matmuls run in its dtype, as lm_head's would; softmax in fp32."""
     device_type = x.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)

@@ -9,13 +9,13 @@ import collections
 import ctypes
 import math
 import os
+import platform
 import socket
-import sys
 import time
 
 import torch
 
-from plumbing import cache_dir, read_json, write_json
+from plumbing.common import cache_dir, read_json, write_json
 
 # -----------------------------------------------------------------------------
 # CPU threads: one per physical core, divided among the ranks that share those cores
@@ -109,8 +109,8 @@ def warm_up_vector_math():
 
 def keep_freed_memory(keep=True):
     """mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, -1) where the C library is glibc; True if set. keep=False:
-    glibc's usual policy back, at the thresholds its adaptive ones settle at in a step (blocks over 32 MB mapped,
-    up to 64 MB of the heap's free top kept). Another allocator (LD_PRELOAD of tcmalloc, jemalloc; macOS) keeps its own."""
+    glibc's usual policy back, at the thresholds its adaptive ones settle at in a step (blocks over 32 MB mapped, up to
+    64 MB of the heap's free top kept). Another allocator (LD_PRELOAD of tcmalloc, jemalloc; macOS) keeps its own."""
     try:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # only glibc has it (musl's mallopt does nothing)
@@ -130,7 +130,6 @@ def keep_freed_memory(keep=True):
 
 def cpu_name():
     """The CPU's model name, as /proc/cpuinfo gives it (else the platform's word for it)."""
-    import platform
     for line in cpuinfo_lines():
         if line.split(":")[0].strip() in ("model name", "Model", "CPU part"):
             return line.split(":", 1)[1].strip()
@@ -145,7 +144,8 @@ def native_bf16():
             flags.update(line.split(":", 1)[1].split())
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"}) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
-def has_amx():  # Intel's AMX tile units for bf16 (Xeons since their 4th generation): matmuls at several times AVX-512's rate
+# Intel's AMX tile units for bf16 (Xeons since their 4th generation): matmuls at several times AVX-512's rate
+def has_amx():
     return any(line.split(":")[0].strip() == "flags" and " amx_bf16" in line for line in cpuinfo_lines())
 
 def describe_cpu(threads):
@@ -190,7 +190,8 @@ def matmul_timer(width):
     operands = {}  # dtype: (rows, a, b), the latest shape only
     def time_product(dtype, rows):
         if operands.get(dtype, (None,))[0] != rows:
-            operands[dtype] = rows, torch.full((rows, width), 0.5, dtype=dtype), torch.full((width, 4 * width), 0.5, dtype=dtype)
+            operands[dtype] = (rows, torch.full((rows, width), 0.5, dtype=dtype),
+                               torch.full((width, 4 * width), 0.5, dtype=dtype))
             operands[dtype][1] @ operands[dtype][2]
         _, a, b = operands[dtype]
         t0, cpu0 = time.perf_counter(), time.process_time()
@@ -218,7 +219,8 @@ def measure_in_turns(dtypes, width, seconds=0.05, time_product=None, longer=0.0)
     rows, fastest, top, ran = {}, {}, {}, {}  # at each dtype's size: (seconds, share) of its fastest product,
     def timed(dtype):                          # its highest share, its least seconds x share
         took, share = time_product(dtype, rows[dtype])
-        fastest[dtype], top[dtype] = min(fastest.get(dtype, (math.inf, 0.0)), (took, share)), max(top.get(dtype, 0.0), share)
+        fastest[dtype] = min(fastest.get(dtype, (math.inf, 0.0)), (took, share))
+        top[dtype] = max(top.get(dtype, 0.0), share)
         ran[dtype] = min(ran.get(dtype, math.inf), took * min(1.0, share))
         return took
     def grows(dtype):  # the next size, if the fastest product so far says it would still take under `seconds`
@@ -323,11 +325,10 @@ def matmul_rate(dtype, width, time_product=None):
     return matmul_rates([dtype], width, time_product)[dtype]
 
 class MatmulRate:
-    """This CPU's matmul rate in the run's dtype ('bf16' or 'fp32') at the model's width, and a step's share of it (the step
-    lines' ' | 62% of this CPU's fp32 matmul rate'). A step above 100% is evidence that the rate is wrong:
-    a busy moment slowed its measurement. Then it is measured again, once per run: a step that still beats
-    it runs shapes the probe does not (the bf16 fallback, docs/performance.md), and measuring again every
-    step would not change that."""
+    """This CPU's matmul rate in the run's dtype ('bf16' or 'fp32') at the model's width, and a step's share of it (the
+    step lines' ' | 62% of this CPU's fp32 matmul rate'). A step above 100% is evidence that the rate is wrong: a busy
+    moment slowed its measurement. Then it is measured again, once per run: a step that still beats it runs shapes the
+    probe does not (the bf16 fallback, docs/performance.md), and measuring again every step would not change that."""
 
     def __init__(self, name, width, time_product=None):
         self.name, self.width, self.time_product = name, width, time_product
@@ -340,7 +341,8 @@ class MatmulRate:
         if gflops > self.gflops and not self.measured_again:
             old, self.measured_again = self.gflops, True
             self.gflops = matmul_rate(self.dtype, self.width, self.time_product)
-            note = f" (measured again: the step beat the {rate_text(old)} GFLOP/s on record; now {rate_text(self.gflops)})"
+            note = (f" (measured again: the step beat the {rate_text(old)} GFLOP/s on record; "
+                    f"now {rate_text(self.gflops)})")
         return f" | {100 * gflops / self.gflops:.0f}% of this CPU's {self.name} matmul rate{note}"
 
 def flops_per_token(n_params, n_layer, n_embd, seq_len):

@@ -1,12 +1,13 @@
 """
---hours: the best model this machine can train in the time given, and a schedule that ends on time.
+--hours: the best model this machine can train in the time given, and a schedule that ends on time. (The flag
+itself, and its conflicts with others, are train_args.py's.)
 
-  parse_hours   '0.25' (hours), '90m', '2h', '45s' -> hours; anything not above zero is one error line
   family        the shapes to choose from: GPT-2's blocks, depth d, width 64 d, d heads of 64 (nanochat's
                 depth-scaled recipe), GPT-2's vocabulary with its tied lm_head, context 128 d (at most 1024)
   choose        the shape, tokens and schedule for a budget, from measured step times (a pure function)
-  Budget        measures those step times here, then, every step, re-fits the last step to the clock and
-                gives the learning rate (warmup, stable, then a decay that starts from the clock)
+  Budget        measures those step times here and returns the plan for the trainer to apply; then, every step,
+                re-fits the last step to the clock (max_steps: the clock's, not the flag's) and gives the learning
+                rate (warmup, stable, then a decay that starts from the clock)
 
 The rule (choose). A shape trained for D tokens is predicted to reach Chinchilla's fitted loss
 (Hoffmann et al. 2022, approach 3)
@@ -44,19 +45,19 @@ longest pause so far) over the mean time a step has taken, evaluations included.
 down decays and stops earlier, one that speeds up trains longer, and both end at the budget.
 """
 import math
-import os
-import re
 import time
 from types import SimpleNamespace
 
 import torch
 
-from plumbing import attention, cpu, layouts
-from plumbing.cluster import available_memory
+from compute import attention, cpu
+from parallel import layouts, sizes
+from parallel.cluster import available_memory
 from plumbing.progress import STARTED, duration
 
 # the family: depths; the fit's constants (Hoffmann et al. 2022, approach 3)
 DEPTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24)
+VOCAB_SIZE = 50304  # GPT-2's, padded (model.PADDED_VOCAB_SIZE: the trainer builds the family's shapes with it)
 E, A, B, ALPHA, BETA = 1.69, 406.4, 410.7, 0.34, 0.28
 MICRO_TOKENS = 2048  # tokens of one micro-batch (rows of the shape's context)
 STEPS_FOR_BATCH = 500  # the batch is sized for about this many steps
@@ -72,50 +73,24 @@ PLANNED = ("n_layer", "n_head", "n_embd", "block_size", "seq_len", "batch_size",
            "warmup_steps", "max_lr", "min_lr", "eval_interval", "val_tokens", "checkpoint_interval", "sample_interval",
            "hellaswag_interval", "compile")
 
-def parse_hours(text):
-    """--hours / --time: '0.25' (hours), '90m', '2h', '45s' -> hours (a float). Not above zero: one error line."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*([hms]?)\s*", str(text))
-    if not m:
-        raise SystemExit(f"error: --hours {text}: give hours (0.25) or a time with its unit (90m, 2h, 45s)")
-    hours = float(m.group(1)) / {"h": 1, "": 1, "m": 60, "s": 3600}[m.group(2)]
-    if not hours > 0:
-        raise SystemExit(f"error: --hours {text}: the time must be above zero")
-    return hours
-
-def check_request(given, saved_args):
-    """The flags' conflicts with --hours, before any work: --max_steps (the plan sets it: give one), and a resumed
-    run's plan (a --resume keeps the run's budget and shape: another --hours would be another plan)."""
-    if "hours" in given and "max_steps" in given:
-        raise SystemExit("error: --hours and --max_steps both set the run's length: drop --max_steps (the plan "
-                         "re-fits the steps to the clock) or drop --hours")
-    if saved_args is not None and "hours" in given and given["hours"] != saved_args.get("hours"):
-        was = saved_args.get("hours")
-        raise SystemExit(f"error: --resume: the run was planned for {f'--hours {was:g}' if was else 'no --hours'}, "
-                         f"not --hours {given['hours']:g}: resume it without --hours (or start a new --log_dir)")
-
 def shape(depth):
     """The family's shape of this depth, as GPTConfig's fields (less the vocabulary)."""
     return dict(n_layer=depth, n_head=depth, n_embd=64 * depth, block_size=min(1024, 128 * depth))
 
-def blocks_params(depth):
-    """The blocks' parameters, 12 width^2 a block (attention 4, MLP 8)."""
-    s = shape(depth)
-    return 12 * s["n_layer"] * s["n_embd"] ** 2
+def config(depth):
+    """The family's shape of this depth as a GPTConfig's fields, GPT-2's padded vocabulary too."""
+    return SimpleNamespace(vocab_size=VOCAB_SIZE, **shape(depth))
 
 def parameters(depth):
-    """N of the rule: every parameter, as Chinchilla's fit counted them: the blocks, and the token and position
-    embeddings (50304 and context rows of width; lm_head is the token embedding, tied)."""
-    s = shape(depth)
-    return blocks_params(depth) + (50304 + s["block_size"]) * s["n_embd"]
+    """N of the rule: every parameter, as Chinchilla's fit counted them (lm_head is the token embedding, tied)."""
+    return sizes.parameters(config(depth))[0]
 
 def probe_memory(depth, bf16):
-    """Bytes the probe of this depth needs at most: layouts' estimate of one rank training the whole model."""
-    s = shape(depth)
-    config = SimpleNamespace(vocab_size=50304, **s)
-    n = layouts.parameters(config)[0]
-    rows = max(1, MICRO_TOKENS // s["block_size"])
-    return (layouts.STATE_BYTES * n + layouts.beyond_state(n, 1, config, bf16)
-            + layouts.activation_bytes(config, rows, s["block_size"], depth, bf16))
+    """Bytes the probe of this depth needs at most: the estimate of one rank training the whole model."""
+    c = config(depth)
+    rows = max(1, MICRO_TOKENS // c.block_size)
+    return (sizes.training_memory(parameters(depth), 1, c, bf16)
+            + sizes.activation_bytes(c, rows, c.block_size, depth, bf16))
 
 def predicted_loss(n, tokens):
     return E + A / n ** ALPHA + B / max(tokens, 1.0) ** BETA
@@ -132,7 +107,8 @@ def choose(step_s, train_s, explicit=None, replicas=1):
     else:
         depth = min(rates, key=lambda d: predicted_loss(parameters(d), rates[d] * train_s))
     tokens, plan = rates[depth] * train_s, {}
-    put = lambda **kw: plan.update({k: explicit.get(k, v) for k, v in kw.items()})  # noqa: E731
+    def put(**planned):  # (what the user gave wins)
+        plan.update({k: explicit.get(k, v) for k, v in planned.items()})
     put(**shape(depth))
     put(seq_len=plan["block_size"])
     rows = max(1, MICRO_TOKENS // plan["seq_len"])
@@ -183,25 +159,14 @@ def time_step(build, depth, dtype_autocast, device="cpu", steps=None, dtype=None
         best = min(best, time.perf_counter() - t0) if i else best
     return best
 
-def process_start():
-    """When this process started (Linux's /proc), else when plumbing was imported: the budget counts it all."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return min(STARTED, boot + ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError, StopIteration):
-        return STARTED
-
 class Budget:
     """A --hours run's clock. plan() measures and chooses (a fresh run) or takes the saved plan (a resumed one);
-    tick() after each step re-fits the last step; lr() is the schedule. All ranks agree: the step times measured
-    and the re-fitted end are averaged over them (one small all-reduce each)."""
+    tick() after each step re-fits the last step, max_steps; lr() is the schedule. All ranks agree: the step times
+    measured and the re-fitted end are averaged over them (one small all-reduce each)."""
 
-    def __init__(self, hours, ranks, used_s=0.0, decay_from=None):
-        self.seconds, self.ranks = hours * 3600, ranks
-        self.start = self.agree([process_start()])[0]  # (ranks start a moment apart: they agree on one start)
+    def __init__(self, hours, ranks, used_s=0.0, decay_from=None, max_steps=None):
+        self.seconds, self.ranks, self.max_steps = hours * 3600, ranks, max_steps
+        self.start = self.agree([STARTED])[0]  # (ranks start a moment apart: they agree on one start)
         self.deadline = self.start + self.seconds - used_s  # (resumed: the time the earlier processes used is gone)
         self.used_before, self.decay_from = used_s, decay_from
         self.loop_start = self.last_end = None
@@ -227,8 +192,8 @@ class Budget:
         return min_lr + (max_lr - min_lr) * max(0.0, 1 - (step + 1 - self.decay_from) / left)
 
     def tick(self, step, started_s, ended_s):
-        """After step `step` ran from started_s to ended_s (time.time()): the re-fitted last step (the run ends after
-        it, with the final evaluation and checkpoint); the decay starts here once the clock says so."""
+        """After step `step` ran from started_s to ended_s (time.time()): re-fits max_steps, the last step (the run
+        ends after it, with the final evaluation and checkpoint); the decay starts here once the clock says so."""
         if self.loop_start is None:
             self.loop_start = started_s
         elif self.last_end is not None:
@@ -240,34 +205,39 @@ class Budget:
             ended_s - self.start + self.used_before >= (1 - DECAY) * self.seconds)])
         if decaying and self.decay_from is None:
             self.decay_from = step + 1
-        return max(step + 1, int(end))
+        self.max_steps = max(step + 1, int(end))
 
     @classmethod
     def plan(cls, run, build, ckpt=None):
-        """A fresh run: measure the family here (build(**shape) makes a GPT), choose, write the plan into run.args
-        (what was not given) and print it as one line. Resumed (ckpt: its checkpoint): its plan stands, its clock
-        goes on."""
+        """(the clock, the plan: {flag: value} for what was not given, for the trainer to apply). A fresh run: measure
+        the family here (build(**shape) makes a GPT), choose, and print the plan as one line. Resumed (ckpt: its
+        checkpoint): its plan stands (its flags are its arguments already), its clock goes on."""
         args, ranks = run.args, run.ranks
         if ckpt is not None and ckpt.get("budget"):
-            return cls(args.hours, ranks, ckpt["budget"]["used_s"], ckpt["budget"]["decay_from"])
+            return cls(args.hours, ranks, ckpt["budget"]["used_s"], ckpt["budget"]["decay_from"], args.max_steps), {}
         budget, explicit, step_s = cls(args.hours, ranks), args.explicit, {}
         max_memory = getattr(args, "max_memory", None)
-        free, too_big = available_memory(ranks, max_memory), ""
-        check_fits(explicit.get("n_layer"), run.dtype == "bf16", budget, free, max_memory)
-        built_s = time.time()  # attention.cpp's kernel, compiled once per machine: not the probe's, the run needs it too
+        free, too_big = min(ranks.gather(available_memory(ranks, max_memory))), ""
+        if explicit.get("n_layer") and ranks.device == "cpu":  # one error line, before any measuring
+            sizes.refuse_if_over(probe_memory(explicit["n_layer"], run.dtype == "bf16"), free, max_memory,
+                                 f"--n_layer {explicit['n_layer']}",
+                                 "a smaller --n_layer, or none (--hours chooses one that fits)")
+        # attention.cpp's kernel, compiled once per machine: not the probe's, the run needs it too
+        built_s = time.time()
         if ranks.device == "cpu" and run.dtype == "bf16":
             attention.kernel()
         built_s = time.time() - built_s
         cpu.keep_freed_memory()  # (as the run will; choose_layout sets the run's own policy after)
-        timed = lambda depth: budget.agree([time_step(build, depth, run.autocast, ranks.device, dtype=run.dtype,  # noqa: E731
-                                                      ranks=ranks), time.time() - budget.start, built_s])
+        def timed(depth):  # (seconds of a step, spent so far, spent building the kernel): the ranks' mean
+            step = time_step(build, depth, run.autocast, ranks.device, dtype=run.dtype, ranks=ranks)
+            return budget.agree([step, time.time() - budget.start, built_s])
         for depth in DEPTHS:
             if explicit.get("n_layer", depth) != depth and depth > min(DEPTHS):
                 continue  # (the smallest is always timed: it says whether the budget is long enough)
             need = probe_memory(depth, run.dtype == "bf16") if ranks.device == "cpu" else 0
-            if depth > min(DEPTHS) and budget.agree([float(need > layouts.HEADROOM * free)])[0] > 0:
-                too_big = f" (depth {depth} would need ~{need / 2**30:.1f} GiB of {free / 2**30:.1f} free: not timed)"
-                break  # (on any rank: they all stop here)
+            if depth > min(DEPTHS) and need > layouts.HEADROOM * free:  # (free: the least of any rank's)
+                too_big = f" (depth {depth} would need ~{sizes.gib(need)} of {sizes.gib(free)} free: not timed)"
+                break
             step, spent, built = timed(depth)
             step_s[depth] = step / run.replicas  # (every rank decides from the same numbers: they stay in step)
             if depth == min(DEPTHS):
@@ -284,18 +254,18 @@ class Budget:
         cpu.keep_freed_memory(False)
         train_s = train_seconds(budget.seconds, spent)
         depth, plan = choose(step_s, train_s, explicit, run.replicas)
-        vars(args).update(plan)
-        run.lay_out()
+        budget.max_steps = plan["max_steps"]
         ends = time.strftime("%H:%M:%S", time.localtime(budget.deadline))
         given = " ".join(f"--{k}" for k in sorted(explicit)) or "none"
         rates = ", ".join(f"{d} layers {MICRO_TOKENS / s:.0f}" for d, s in step_s.items())
-        ranks.print0(f"plan: {args.n_layer} layers x {args.n_embd} wide ({args.n_head} heads, context "
-                     f"{args.block_size}), {parameters(depth) / 1e6:.1f}M parameters "
-                     f"({blocks_params(depth) / 1e6:.2f}M in blocks), "
-                     f"{args.max_steps * args.total_batch_size / 1e6:.2f}M tokens in ~{args.max_steps} steps of "
-                     f"{args.total_batch_size}, lr {args.max_lr:.2g}, ends by {ends} ({duration(budget.seconds)} "
-                     f"in all); measured tokens/s: {rates}{too_big}; flags given that override it: {given}")
-        return budget
+        blocks = plan["n_layer"] * sizes.block_parameters(plan["n_embd"])
+        ranks.print0(f"plan: {plan['n_layer']} layers x {plan['n_embd']} wide ({plan['n_head']} heads, context "
+                     f"{plan['block_size']}), {parameters(depth) / 1e6:.1f}M parameters ({blocks / 1e6:.2f}M in "
+                     f"blocks), {plan['max_steps'] * plan['total_batch_size'] / 1e6:.2f}M tokens in "
+                     f"~{plan['max_steps']} steps of {plan['total_batch_size']}, lr {plan['max_lr']:.2g}, "
+                     f"ends by {ends} ({duration(budget.seconds)} in all); measured tokens/s: {rates}{too_big}; "
+                     f"flags given that override it: {given}")
+        return budget, plan
 
 def train_seconds(seconds, spent):
     """The seconds left for training steps: the budget less what is spent, the exit and the evaluations."""
@@ -308,20 +278,11 @@ def turned(step_s, seconds_left):
     last = list(loss)[-2:]
     return len(last) == 2 and all(loss[d] > min(loss.values()) for d in last)
 
-def check_fits(depth, bf16, budget, free, max_memory):
-    """One error line, before any measuring, when the depth given (--n_layer) would not fit in the free memory of
-    every rank (held to all of it, not 90%, as a forced layout is: the estimate is not exact)."""
-    need = probe_memory(depth, bf16) if depth and budget.ranks.device == "cpu" else 0
-    if budget.agree([float(need > free)])[0] > 0:
-        raise SystemExit(f"error: --n_layer {depth} needs ~{need / 2**30:.1f} GiB to train here "
-                         f"and a rank has {free / 2**30:.1f} GiB" + (" (--max_memory)" if max_memory else " free")
-                         + ": a smaller --n_layer, or none (--hours chooses one that fits)")
-
 def check_long_enough(seconds, spent, step_s, hours):
     """One error line when the budget cannot give the smallest shape MIN_STEPS steps (with the time already spent
     starting up and measuring, and the evaluations); it names the shortest budget that can, here."""
     need = (spent + MIN_STEPS * step_s / 4 + EXIT_S) / (1 - EVAL_SHARE * 1.5 - PROBE_SHARE)
     if seconds < need:
-        raise SystemExit(f"error: --hours {hours:g} ({duration(seconds)}) is too short: the smallest model of the family "
-                         f"needs about {duration(need)} here for {MIN_STEPS} steps; give at least --time "
+        raise SystemExit(f"error: --hours {hours:g} ({duration(seconds)}) is too short: the smallest model of the "
+                         f"family needs about {duration(need)} here for {MIN_STEPS} steps; give at least --time "
                          f"{math.ceil(need / 60)}m")

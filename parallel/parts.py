@@ -1,6 +1,6 @@
 """
-A model held in parts (a pipeline's stages, tensor parallel's shares): how a rank builds its part alone, writes and
-reads its checkpoints, and takes part in the end-of-run check, without ever holding more than its part.
+A rank's part of a checkpoint: FSDP's pieces, a pipeline's stage, tensor parallel's share, each written and read by its
+rank in the whole model's names, and digested for the end-of-run check, without any rank holding more than its part.
 
 Checkpoints are torch.distributed.checkpoint (DCP) folders in the whole model's names: every rank writes the tensors
 it holds (a DTensor: its piece, with the piece's place in the whole tensor) and reads back the ones it holds now, so
@@ -20,7 +20,8 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from plumbing import checkpoints, node_disks
+from parallel import node_disks, sizes
+from plumbing import checkpoints
 
 # -----------------------------------------------------------------------------
 # A sharded checkpoint's folder: every rank writes its pieces, and reads the pieces it holds now
@@ -44,7 +45,8 @@ def save_sharded(path, state, meta, ranks):
     import torch.distributed.checkpoint as dcp
     tmp = path + ".tmp"
     # (rank 0 says it, from its own part: the ranks' parts are about equal)
-    written = checkpoints.say_writing(path, checkpoints.tensor_bytes(state) * dist.get_world_size() if ranks.master else 0)
+    estimate = checkpoints.tensor_bytes(state, sizes.local_bytes) * dist.get_world_size() if ranks.master else 0
+    written = checkpoints.say_writing(path, estimate)
     if ranks.keeper and os.path.exists(tmp):  # left by a run killed while saving
         shutil.rmtree(tmp)
     dist.barrier()
@@ -90,34 +92,13 @@ def read_sharded(path, shapes):
     dcp.load(state, checkpoint_id=path, no_dist=True)
     return state["model"]
 
-# -----------------------------------------------------------------------------
-# A rank's part of a model: built alone
-
-def build_part(make, args, ranks, init_weights, bf16):
-    """make()'s model, as this rank holds it under --pp (its stage) and --tp (its share of every block), built alone:
-    on the meta device, cut or split, then given memory for its part only, and filled with exactly the weights one
-    process gets for the same seed (sharding.build_in_pieces), or left for a checkpoint's or pretrained weights."""
-    from plumbing import pipeline, sharding, stage, stage_split, tensor_parallel, world
-    def allocate(model):
-        if args.pp > 1:  # (cut as pipeline.Pipeline cuts it)
-            index = (ranks.rank // args.tp) % args.pp
-            bounds = stage_split.stage_bounds(model.config, args.pp, args.seq_len, pipeline.memory_budget(args), bf16,
-                                              args.tp)
-            stage.cut_to_stage(model, index, args.pp, bounds[index])
-        if args.tp > 1:  # (what is left of it split, as tensor_parallel.TensorParallel splits it)
-            mesh = world.mesh_of(ranks.world_size, args.pp, args.tp, ranks.device.split(":")[0])
-            tensor_parallel.split_model(model, mesh["tp"], args.tp)
-        else:
-            model.to_empty(device="cpu")
-    return sharding.build_in_pieces(make, allocate, init_weights)
-
 def model_line(config, held, args):
     """'model: 774.03M parameters (rank 0 holds 321.51M: its stage), GPTConfig(...)': held is what rank 0 holds."""
-    from plumbing import layouts
     if args.pp * args.tp == 1:
         return f"model: {held / 1e6:.2f}M parameters, {config}"
     part = {(True, False): "stage", (False, True): "share"}.get((args.pp > 1, args.tp > 1), "share of its stage")
-    return f"model: {layouts.parameters(config)[0] / 1e6:.2f}M parameters (rank 0 holds {held / 1e6:.2f}M: its {part}), {config}"
+    whole = sizes.parameters(config)[0]
+    return f"model: {whole / 1e6:.2f}M parameters (rank 0 holds {held / 1e6:.2f}M: its {part}), {config}"
 
 def one_process_groups(names, groups):
     """AdamW's param_groups as a one-process run's checkpoint names them (get_state_dict): the whole model's trained
@@ -125,8 +106,10 @@ def one_process_groups(names, groups):
     names: [(name, is a matrix)] of the whole model; groups: this rank's optimizer.param_groups."""
     out = []
     for matrices in (True, False):
-        mine = [g for g in groups if g["params"] and (g["params"][0].dim() >= 2) == matrices] or [groups[0] if matrices else groups[-1]]
-        out.append({**{k: v for k, v in mine[0].items() if k != "params"}, "params": [n for n, m in names if m == matrices]})
+        mine = ([g for g in groups if g["params"] and (g["params"][0].dim() >= 2) == matrices]
+                or [groups[0] if matrices else groups[-1]])
+        out.append({**{k: v for k, v in mine[0].items() if k != "params"},
+                    "params": [n for n, m in names if m == matrices]})
     return out
 
 def trained_names(gpt_meta):
@@ -194,8 +177,8 @@ def fill(state, whole, checked=None):
     is read against its checksum before a piece of it is taken (only the tensors this rank holds are read)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    def cut(t, offsets, sizes):
-        return t[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+    def cut(t, offsets, shape):
+        return t[tuple(slice(o, o + n) for o, n in zip(offsets, shape))]
     sums, path = checked or (None, None)
     for key, value in state.items():
         if isinstance(value, dict):
@@ -204,8 +187,8 @@ def fill(state, whole, checked=None):
         if sums and key in sums and torch.is_tensor(whole[key]):
             checkpoints.verify_checksums({key: whole[key]}, {key: sums[key]}, path)
         if isinstance(value, DTensor):
-            sizes, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-            value.to_local().copy_(cut(whole[key], offsets, sizes))
+            shape, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+            value.to_local().copy_(cut(whole[key], offsets, shape))
         elif hasattr(value, "local_shards"):
             for piece in value.local_shards():
                 piece.tensor.copy_(cut(whole[key], piece.metadata.shard_offsets, piece.metadata.shard_sizes))
@@ -216,8 +199,7 @@ def digest(tensors):
     """sha256 of this rank's tensors (its pieces of split ones), in sorted name order."""
     checksum = hashlib.sha256()
     for name in sorted(tensors):
-        t = tensors[name]
-        t = t.to_local() if hasattr(t, "to_local") else t
+        t = sizes.local(tensors[name])
         checksum.update(name.encode())
         checksum.update(t.detach().float().contiguous().numpy())
     return checksum.hexdigest()

@@ -6,13 +6,14 @@ How the processes of a job find each other and agree.
     are installed), one-line errors when a rank can't join or a collective fails
   - the device each rank computes on
   - stop signals, agreed by all ranks so that they stop at the same step
-  - checks that the ranks end with the same weights (they start from one checkpoint: plumbing/node_disks.py)
-  - which ranks share a node (their hostnames), and whether a group of ranks lies inside one
+  - checks that the ranks end with the same weights (they start from one checkpoint: parallel/node_disks.py)
+Where each rank sits (its replica, stage and tensor-parallel rank; its node) is parallel/mesh.py.
 """
-import functools
+import gc
 import hashlib
 import os
 import re
+import resource
 import signal
 import sys
 import time
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
+
+from parallel import mesh
 
 # -----------------------------------------------------------------------------
 # Launchers: every launcher already tells each process who it is, each under its own names
@@ -81,7 +84,7 @@ class Ranks:
     local_world: int
     launcher: str  # single, torchrun, mpich, openmpi or slurm
     device: str = "cpu"  # where it computes: set once, when the run picks it (pick_device)
-    disks: list = None  # [[the ranks that see one --log_dir folder], ...] (plumbing/node_disks.py); None: one folder
+    disks: list = None  # [[the ranks that see one --log_dir folder], ...] (parallel/node_disks.py); None: one folder
 
     @property
     def master(self):  # rank 0 prints, logs and saves checkpoints; the others stay quiet
@@ -134,21 +137,13 @@ class Ranks:
         return t
 
 # -----------------------------------------------------------------------------
-# The device mesh: where each rank sits among the data-parallel replicas, pipeline stages and tensor-parallel ranks
-
-@functools.cache
-def mesh_of(world_size, pp, tp, device_type):
-    """The (dp, pp, tp) device mesh: rank r is tensor-parallel rank r % tp of stage (r // tp) % pp of replica
-    r // (pp tp). Tensor parallel's ranks are neighbours (one node's cores, with the fastest links between them), a
-    replica's stages next. Made once a process (every rank makes it together), for the build and then for the step."""
-    from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh(device_type, (world_size // (pp * tp), pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+# The ranks end alike
 
 def check_same_weights(ranks, model):
     """Every rank must hold the same weights at the end; a checksum per rank proves it.
     (The state dict: full fp32 weights in plain layout, also under IPEX, whose parameters are bf16 halves.)
     A model in pieces (FSDP's, a pipeline's, tensor parallel's) is checked by the digests of its parts instead
-    (plumbing/parts.py)."""
+    (parallel/parts.py)."""
     digest = state_digest(model.state_dict())
     if ranks.world_size > 1:
         digests = ranks.gather(digest)
@@ -165,7 +160,6 @@ def state_digest(weights):
 
 def report_peak_memory(ranks):
     """Each rank's peak resident memory (what the OS counts: weights, optimizer state, activations, buffers)."""
-    import resource
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux counts KiB: GiB
     peaks = ranks.gather(peak)
     ranks.print0(f"peak memory per rank: {', '.join(f'{p:.2f}' for p in peaks)} GiB")
@@ -210,7 +204,9 @@ def run_main(main):
     its group with gloo threads still running (FSDP's and tensor parallel's: torch's DTensor caches keep their
     meshes' groups past destroy_process_group) ends at once too, once all is done: as the interpreter exits, C++
     destroys those threads while they run, and the process aborts ("terminate called without an active
-    exception", SIGABRT; a --tp 2 run of the tests, after it had saved and printed everything)."""
+    exception", SIGABRT; a --tp 2 run of the tests, after it had saved and printed everything). So does one that
+    stops with its group still joined (an error line after the ranks met: a checkpoint no node holds whole, a layout
+    that does not divide the ranks), for the same reason."""
     try:
         main()
     except RuntimeError as e:
@@ -221,11 +217,14 @@ def run_main(main):
         sys.stdout.flush()
         os._exit(1)
     except SystemExit as e:  # (a run stopped by a signal exits 143 or 130 after it saved)
-        if not (left_group and gloo_threads()):
+        if not (in_group() or left_group and gloo_threads()):
             raise
         end_now(e.code if isinstance(e.code, int) else 1 if e.code else 0, e.code if isinstance(e.code, str) else None)
     if left_group and gloo_threads():
         end_now(0)
+
+def in_group():
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 def gloo_threads():
     """The names of this process's threads that gloo started (Linux's /proc; elsewhere none are seen)."""
@@ -295,7 +294,8 @@ class GracefulStop:
     def _handle(self, signum, frame):
         # within a second it is the same request arriving twice (torchrun forwards what Slurm also sends)
         if self.signum and time.monotonic() - self.when > 1.0:
-            print(f"{signal.Signals(signum).name} again: stopping now, without a checkpoint", file=sys.stderr, flush=True)
+            print(f"{signal.Signals(signum).name} again: stopping now, without a checkpoint", file=sys.stderr,
+                  flush=True)
             os._exit(128 + signum)
         self.signum, self.when = self.signum or signum, self.when or time.monotonic()
 
@@ -314,7 +314,8 @@ class GracefulStop:
 def pick_device(requested, local_rank, world_size):
     """--device auto: a GPU when there is one, else the CPU. Several ranks on one GPU machine take one GPU each."""
     if requested == "auto":
-        requested = "cuda" if torch.cuda.is_available() else "xpu" if hasattr(torch, "xpu") and torch.xpu.is_available() else "cpu"
+        requested = ("cuda" if torch.cuda.is_available() else
+                     "xpu" if hasattr(torch, "xpu") and torch.xpu.is_available() else "cpu")
     device_type = requested.split(":")[0]
     if device_type not in ("cpu", "cuda", "xpu", "mps"):
         raise SystemExit(f"error: --device {requested}: expected auto, cpu, cuda[:N], xpu or mps")
@@ -332,32 +333,10 @@ def leave_process_group():
     (seen with torch 2.8 + IPEX). (Once, a sharded 3-rank run whose model outlived the group aborted at exit:
     "terminate called without an active exception"; since then the models go first.) The cached mesh goes too:
     it holds its groups, and with them their gloo threads."""
-    import gc
     global left_group
-    mesh_of.cache_clear()
+    mesh.mesh_of.cache_clear()
     gc.collect()
     torch.distributed.destroy_process_group()
     left_group = True
 
 left_group = False  # leave_process_group ran: run_main checks for gloo threads left running
-
-# -----------------------------------------------------------------------------
-# Which ranks share a node: their hostnames
-
-def nodes_of(hostnames):
-    """[[the ranks of a node], ...] from each rank's hostname, nodes in the order of their first rank."""
-    nodes = {}
-    for rank, host in enumerate(hostnames):
-        nodes.setdefault(host, []).append(rank)
-    return list(nodes.values())
-
-def inside_nodes(tp, hostnames):
-    """Whether every tensor-parallel group lies inside one node: its tp consecutive ranks (tensor_parallel.py's mesh,
-    rank r in group r // tp) share a hostname. Launchers (torchrun, mpirun, srun by block) put consecutive ranks on
-    one node, so this holds where tp divides the ranks per node; TP's all-reduces, every block's, never cross a network."""
-    return all(len(set(hostnames[i:i + tp])) == 1 for i in range(0, len(hostnames), tp))
-
-def describe_nodes(nodes):
-    sizes = sorted({len(n) for n in nodes})
-    each = f"{sizes[0]} rank" + "s" * (sizes[0] > 1) if len(sizes) == 1 else "/".join(map(str, sizes)) + " ranks"
-    return f"{len(nodes)} node" + "s" * (len(nodes) > 1) + f" x {each}"

@@ -18,7 +18,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from plumbing import checkpoints, one_line
+from plumbing import checkpoints
+from plumbing.common import one_line
 
 def find(log_dir, ranks):
     """Which ranks see one --log_dir folder, [[ranks], ...] in the order of their first rank (ranks.disks), and the
@@ -43,8 +44,9 @@ def find(log_dir, ranks):
     os.remove(mark(ranks.rank))  # (every rank has looked: the gather above waited for all)
     groups = [group for r, group in enumerate(seen) if group[0] == r]
     if any(seen[r] != group for group in groups for r in group) or sum(map(len, groups)) != ranks.world_size:
-        raise SystemExit(f"error: --log_dir {log_dir}: the ranks see each other's files inconsistently ({seen}, rank r: "
-                         "the ranks whose files it sees): a network file system's cache?" if ranks.master else 1)
+        raise SystemExit(f"error: --log_dir {log_dir}: the ranks see each other's files inconsistently "
+                         f"({seen}, rank r: the ranks whose files it sees): a network file system's cache?"
+                         if ranks.master else 1)
     if len(groups) == 1:
         return groups, f"log_dir: {log_dir} is one folder shared by all {ranks.world_size} ranks"
     each = " | ".join(",".join(map(str, g)) for g in groups)
@@ -115,8 +117,9 @@ def resume_point(log_dir, resume, ranks):
         if name not in missing:
             local = os.path.exists(resume)  # (not one of ours by its name: read as it is, where it is)
             if not all(ranks.gather(local)):
-                raise SystemExit(f"error: --resume: checkpoint {resume} not found" + (
-                    f" on every node's disk (rank {ranks.rank} has it)" if local else "") if ranks.master or local else 1)
+                raise SystemExit(f"error: --resume: checkpoint {resume} not found"
+                                 + (f" on every node's disk (rank {ranks.rank} has it)" if local else "")
+                                 if ranks.master or local else 1)
             return resume
         if missing[name]:
             raise SystemExit(f"error: --resume: {resume} is not whole on the nodes' disks ({missing[name]})"
@@ -179,8 +182,8 @@ def send_missing(paths, ranks, why=None):
     dist.barrier()  # (every rank of a disk sees what was written there)
     spent = time.time() - started
     if why:
-        ranks.print0(f"checkpoint: {why}: sent {total / 1e6:.1f} MB in {spent:.1f}s ({total / 1e6 / max(spent, 1e-3):.0f} "
-                     "MB/s)")
+        ranks.print0(f"checkpoint: {why}: sent {total / 1e6:.1f} MB in {spent:.1f}s "
+                     f"({total / 1e6 / max(spent, 1e-3):.0f} MB/s)")
     return total
 
 def send_files(paths, sizes, receiver):

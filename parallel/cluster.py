@@ -1,5 +1,5 @@
 """
-What --parallel auto (plumbing/layouts.py) measures of the cluster before it predicts: each rank's free memory, how
+What --parallel auto (parallel/layouts.py) measures of the cluster before it predicts: each rank's free memory, how
 crowded each machine's cores are, the links (latency and bandwidth, inside a node and across nodes), and one block's
 forward and backward at the run's shape as each layout runs it. Every rank measures at once and takes the same
 figure (the slowest rank's, or the least memory), so that all decide alike.
@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 import torch
 
-from plumbing import cpu, sharding, speedups, tensor_parallel, world
+from compute import cpu, speedups
+from parallel import mesh, sharding, sizes, tensor_parallel
 
 def crowding(ranks):
     """How many times more torch threads than physical cores the most crowded machine's ranks have, at least 1: 3 ranks
@@ -20,8 +21,7 @@ def crowding(ranks):
     containers or network namespaces with hostnames of their own (bench_parallel.py's nodes) still share its cores."""
     with open("/proc/sys/kernel/random/boot_id") as f:
         machine = f.read().strip()
-    everyone = [None] * ranks.world_size
-    torch.distributed.all_gather_object(everyone, (machine, sorted(os.sched_getaffinity(0)), torch.get_num_threads()))
+    everyone = ranks.gather((machine, sorted(os.sched_getaffinity(0)), torch.get_num_threads()))
     return slowest(threads_a_core(everyone, machine), ranks)  # (the largest: MAX)
 
 def threads_a_core(everyone, machine):
@@ -35,7 +35,7 @@ def available_memory(ranks, max_memory_gib):
     """Bytes this rank may use: --max_memory, or the memory the OS says is available on this node (MemAvailable)
     shared by the ranks on it."""
     if max_memory_gib:
-        return max_memory_gib * 2**30
+        return sizes.max_memory_bytes(max_memory_gib)
     try:
         with open("/proc/meminfo") as f:
             return next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemAvailable:")) / ranks.local_world
@@ -119,7 +119,7 @@ def as_layout_runs(module, layout, ranks, bf16):
         module.set_requires_gradient_sync(False)
         module.set_reshard_after_backward(not gathered)
     elif layout is not None and layout.tp > 1:
-        tensor_parallel.split_block(module, world.mesh_of(ranks.world_size, 1, layout.tp, "cpu")["tp"], layout.tp)
+        tensor_parallel.split_block(module, mesh.mesh_of(ranks.world_size, 1, layout.tp, "cpu")["tp"], layout.tp)
     return module
 
 def timed_passes(one_pass, autocast, ranks, turns):
