@@ -14,8 +14,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from plumbing.common import one_line
-from plumbing.common import atomic_write
+from plumbing.common import atomic_write, one_line
 from compute.fused_loss import IGNORE, LOSS_CHUNK
 from plumbing.inputs import check_enough_tokens, find_shards, open_shard
 from tokenizer import EOT, get_encoding

@@ -24,8 +24,7 @@ import sys
 import numpy as np
 
 from dataloader import TASK_VERSION
-from plumbing.common import ShowDefaults, one_line
-from plumbing.common import atomic_write
+from plumbing.common import ShowDefaults, atomic_write, one_line
 from tasks import FIELDS, TEMPLATES, check_answer_regex, collect, open_sources, parse_columns
 from tokenizer import decode
 

@@ -23,8 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pyarrow.parquet as pq
 
-from plumbing.common import ShowDefaults
-from plumbing.common import atomic_write
+from plumbing.common import ShowDefaults, atomic_write
 from plumbing.progress import Bar
 from tokenizer import EOT, get_encoding
 

@@ -22,7 +22,7 @@ from torch.nn import functional as F
 
 from plumbing.checkpoints import checked
 from plumbing.inputs import pretrained_files
-from parallel.sizes import copy_weight
+from parallel.sizes import copy_weight, local, piece_of
 
 # --lora_targets: the Linear layers of each block that get adapters (GPT-2's module names, which peft uses too)
 TARGETS = {"attn": "attn.c_attn", "proj": "attn.c_proj", "fc": "mlp.c_fc", "mlp_proj": "mlp.c_proj"}
@@ -141,12 +141,9 @@ def merge_saved(model, saved, scale):
 def add_to_weight(weight, B, A, scale):
     """weight += scale B A, the sum taken in fp32 and rounded once to weight's dtype; a sharded weight (a DTensor)
     adds just its piece."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
     with torch.no_grad():
-        delta = scale * (B.detach().float() @ A.detach().float())
-        if isinstance(weight, DTensor):
-            weight, delta = weight.to_local(), distribute_tensor(delta, weight.device_mesh, weight.placements,
-                                                                 src_data_rank=None).to_local()
+        delta = piece_of(scale * (B.detach().float() @ A.detach().float()), weight)
+        weight = local(weight)
         weight.copy_((weight.float() + delta).to(weight.dtype))
 
 def adapter_shapes(config, rank, targets):

@@ -434,7 +434,7 @@ def accumulate_gradients(run, batches, n_targets):
     ranks.all_reduce_sum(loss_accum)
     loss_accum /= ranks.world_size
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-    return loss_accum, norm.full_tensor() if run.sharded else norm  # sharded: each rank's part of the global norm
+    return loss_accum, sizes.whole(norm)  # (sharded, clipping's norm is a DTensor: the global norm, gathered)
 
 def check_same_weights(run):
     """DDP's promise: every rank ends with the same weights (a pipeline's, tensor parallel's: each part's replicas

@@ -118,7 +118,7 @@ def plan_pipeline(layout, config, world, rows, seq_len, micro_steps, bf16, budge
     held = stage_split.stage_plan(config, layout.bounds, rows, seq_len, micro_steps, dp, layout.shard, bf16, tp=t)
     def state(p):
         return {"none": (STATE_BYTES + 4 * (dp > 1)) * p, "grads": 12 * p / dp + (weight + 4) * p,
-                "full": 16 * p / dp + (weight + 4 * (micro_steps > 1)) * p}[layout.shard]
+                "full": STATE_BYTES * p / dp + (weight + 4 * (micro_steps > 1)) * p}[layout.shard]
     def peak(s, a, b, params):
         held_acts = min(N - s, micro_steps) * (acts(b - a) - acts(0)) * (1 + 1 / t) / 2 + (s == N - 1) * acts(0)
         beyond = beyond_state(params, (s == 0) + (s == N - 1), config, bf16 and layout.shard == "none")

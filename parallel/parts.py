@@ -121,7 +121,7 @@ def as_pieces(t, n_embd, tp, group):
     see it: this rank's rows are q's, k's and v's rows of its heads, at rows p C + r C/tp of the whole (p = 0, 1, 2)."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
-    local, rank, share = t.to_local(), dist.get_rank(group), n_embd // tp
+    local, rank, share = sizes.local(t), dist.get_rank(group), n_embd // tp
     pieces = [Shard(block, ShardMetadata([p * n_embd + rank * share, *[0] * (t.dim() - 1)], list(block.shape),
                                          f"rank:{dist.get_rank()}/{local.device.type}"))  # (where: the global rank)
               for p, block in enumerate(local.split(share))]
@@ -188,7 +188,7 @@ def fill(state, whole, checked=None):
             checkpoints.verify_checksums({key: whole[key]}, {key: sums[key]}, path)
         if isinstance(value, DTensor):
             shape, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-            value.to_local().copy_(cut(whole[key], offsets, shape))
+            sizes.local(value).copy_(cut(whole[key], offsets, shape))
         elif hasattr(value, "local_shards"):
             for piece in value.local_shards():
                 piece.tensor.copy_(cut(whole[key], piece.metadata.shard_offsets, piece.metadata.shard_sizes))

@@ -104,13 +104,18 @@ def whole(t):
     """A sharded tensor gathered whole (every rank of its mesh calls it); any other tensor as it is."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
+def piece_of(full, like):
+    """The piece of a whole tensor that this rank holds of `like`, a sharded tensor (a DTensor: full cut as its
+    placements cut it, no collective); for any other `like`, full itself."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    if not isinstance(like, DTensor):
+        return full
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+
 @torch.no_grad()
 def copy_weight(param, full):
     """param = full; for a sharded parameter (a DTensor), just the piece of full that this rank holds (in the order
     param.from_whole gives, where a layout holds its rows in another order: tensor parallel's c_attn)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-    if isinstance(param, DTensor):
-        full = param.from_whole(full) if hasattr(param, "from_whole") else full
-        param, full = param.to_local(), distribute_tensor(full, param.device_mesh, param.placements,
-                                                          src_data_rank=None).to_local()
-    param.copy_(full)
+    if hasattr(param, "from_whole"):
+        full = param.from_whole(full)
+    local(param).copy_(piece_of(full, param))

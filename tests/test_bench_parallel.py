@@ -42,6 +42,7 @@ def test_measured_bytes_are_the_computed_ones():
     assert not re.search(rf"^gpt2pb{bench.pid % 100000}(hub|r\d+)\b", left, re.M), left
 
 
+@pytest.mark.long  # (the main lane: nodes_of and the crowding from hostnames and boot ids, test_layouts.py)
 def test_ranks_sharing_a_hostname_are_a_node_to_parallel_auto():
     """4 ranks, 2 hostnames (--ranks_per_node 2: each rank its own namespace and UTS namespace): --parallel auto finds
     2 nodes of 2, times the link across them (a rank of each node with a rank of the other, both pairs at once), and
