@@ -303,8 +303,8 @@ import clock
 clock.DEPTHS, clock.MIN_STEPS, clock.MICRO_TOKENS = (1, 2, 3), 20, 256  # a tiny family: 16 wide a layer
 clock.shape = lambda d: dict(n_layer=d, n_head=1, n_embd=16 * d, block_size=64)
 import train_gpt2
-from model import GPTConfig, GPT
-train_gpt2.main(sys.argv[1:])
+from parallel import world
+world.run_main(train_gpt2.main)
 """
 
 

@@ -593,7 +593,7 @@ COUNT_GATHERS = """
 import sys, torch
 sys.path.insert(0, sys.argv[1])
 import train_gpt2
-from model import GPTConfig, GPT
+from parallel import world
 calls = [0]
 gather = torch.distributed.all_gather_single
 def counted(*a, **k):
@@ -607,7 +607,8 @@ def counted_step(run, n):
     run.ranks.print0(f"all-gathers in step {n}: {calls[0] - before}")
     return out
 train_gpt2.train_step = counted_step
-train_gpt2.main(sys.argv[2:])
+sys.argv[1:] = sys.argv[2:]  # (main reads its flags there)
+world.run_main(train_gpt2.main)  # as train_gpt2.py ends: FSDP's gloo threads outlive the group (parallel/world.py)
 """
 
 

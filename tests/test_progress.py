@@ -19,7 +19,8 @@ sys.path.insert(0, {repo!r})
 from plumbing import progress
 progress.QUIET_S, progress.DAY = 0, {day}
 import train_gpt2
-train_gpt2.main(sys.argv[1:])
+from parallel import world
+world.run_main(train_gpt2.main)
 """
 
 
