@@ -54,10 +54,10 @@ from compute import attention, cpu
 from parallel import layouts, sizes
 from parallel.cluster import available_memory
 from plumbing.progress import STARTED, duration
+from tokenizer import PADDED_VOCAB_SIZE
 
 # the family: depths; the fit's constants (Hoffmann et al. 2022, approach 3)
 DEPTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24)
-VOCAB_SIZE = 50304  # GPT-2's, padded (model.PADDED_VOCAB_SIZE: the trainer builds the family's shapes with it)
 E, A, B, ALPHA, BETA = 1.69, 406.4, 410.7, 0.34, 0.28
 MICRO_TOKENS = 2048  # tokens of one micro-batch (rows of the shape's context)
 STEPS_FOR_BATCH = 500  # the batch is sized for about this many steps
@@ -81,7 +81,7 @@ def shape(depth):
 
 def config(depth):
     """The family's shape of this depth as a GPTConfig's fields, GPT-2's padded vocabulary too."""
-    return SimpleNamespace(vocab_size=VOCAB_SIZE, **shape(depth))
+    return SimpleNamespace(vocab_size=PADDED_VOCAB_SIZE, **shape(depth))
 
 def parameters(depth):
     """N of the rule: every parameter, as Chinchilla's fit counted them (lm_head is the token embedding, tied)."""

@@ -302,7 +302,6 @@ class GPT(nn.Module):
 PRETRAINED_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 # OpenAI's checkpoints use a 'Conv1D' module: a Linear whose weight is stored transposed, (in, out)
 CONV1D_WEIGHTS = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
-PADDED_VOCAB_SIZE = 50304  # 50257 rounded up to a multiple of 128: friendlier matrix shapes
 
 def copy_pretrained_weights(weights_file, params, transposed):
     """Fill params ({name: parameter}, sharded or not) from a safetensors file in the Hugging Face layout,

@@ -19,6 +19,7 @@ RANKS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", 
 RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 EOT = 50256  # <|endoftext|>: the document separator, and the only special token
 VOCAB_SIZE = 50257
+PADDED_VOCAB_SIZE = 50304  # the model's: 50257 rounded up to a multiple of 128, friendlier matrix shapes
 
 # GPT-2's pre-tokenization regex as OpenAI released it. Newer tiktoken versions ship an
 # equivalent but faster spelling of it; use theirs when it is there.

@@ -28,10 +28,11 @@ import dataloader
 import lora
 from compute import attention, cpu, speedups
 from compute.fused_loss import IGNORE
-from model import GPT, PADDED_VOCAB_SIZE, PRETRAINED_NAMES, Block, GPTConfig, keep_packed_attention_eager, load_model
+from model import GPT, PRETRAINED_NAMES, Block, GPTConfig, keep_packed_attention_eager, load_model
 from parallel import build, layouts, mesh, node_disks, parts, pipeline, sharding, sizes, tensor_parallel, world
 from plumbing import checkpoints, inputs, progress, report
 from plumbing.checkpoints import append_log, checkpoint_path, list_checkpoints
+from tokenizer import PADDED_VOCAB_SIZE
 from train_args import check_args, launch_flags, resolve_args
 
 # -----------------------------------------------------------------------------

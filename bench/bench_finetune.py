@@ -52,11 +52,10 @@ from compute import cpu, fused_loss, speedups
 from parallel import world
 from compute.fused_loss import IGNORE
 from tasks import Example
-from tokenizer import EOT
+from tokenizer import EOT, PADDED_VOCAB_SIZE
 import lora
 import train_args
 import train_gpt2
-from model import PADDED_VOCAB_SIZE
 from model import GPTConfig
 
 KINDS = ("pretrain", "packed", "hf_padded")

@@ -28,7 +28,8 @@ import hellaswag
 import tokenizer
 from compute import cpu, speedups
 from train_args import DEMO_ARGS
-from model import PADDED_VOCAB_SIZE, GPTConfig
+from model import GPTConfig
+from tokenizer import PADDED_VOCAB_SIZE
 
 
 def synthetic_rounds(rounds, size, n_total=10042, seed=0):

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 
 import common  # before train_gpt2: it puts the repository root on sys.path
 from compute import cpu, fused_loss, speedups
-from model import PADDED_VOCAB_SIZE
+from tokenizer import PADDED_VOCAB_SIZE
 from model import GPTConfig
 
 

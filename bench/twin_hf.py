@@ -40,7 +40,8 @@ from export_hf import hf_config
 from compute import cpu, speedups
 from parallel import world
 from plumbing.common import cache_dir
-from model import CONV1D_WEIGHTS, GPT, PADDED_VOCAB_SIZE, GPTConfig
+from model import CONV1D_WEIGHTS, GPT, GPTConfig
+from tokenizer import PADDED_VOCAB_SIZE
 from train_gpt2 import Run, train_step
 
 PART_FACTOR = 3.0  # bf16 twins: a gap beyond 3x what bf16 rounding alone makes of our run is no longer rounding

@@ -6,7 +6,8 @@ import pytest
 from conftest import (RECORDING_RANK, REPO, clean_env, final_weights_diff, make_shards, read_log, run_launched,
                       run_train, tiny_run_args, torchrun)
 from parallel import layouts, mesh, sizes, tensor_parallel
-from model import GPTConfig, PADDED_VOCAB_SIZE
+from model import GPTConfig
+from tokenizer import PADDED_VOCAB_SIZE
 
 GPT2 = GPTConfig(block_size=1024, vocab_size=PADDED_VOCAB_SIZE, n_layer=12, n_head=12, n_embd=768)
 EQUAL = ["--batch_size", "2", "--total_batch_size", "384", "--n_layer", "4"]

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from plumbing import checkpoints
-from model import GPTConfig, GPT, PADDED_VOCAB_SIZE, load_model
-from conftest import (LIMIT, TINY_MODEL, assert_resumes_across, assert_same_run, clean_env, final_weights_diff,
-                      printed_norms, refused, run_launched, run_rank_script, run_train, stopped_after_step_3,
-                      tiny_run_args, torchrun)
+from model import GPTConfig, GPT, load_model
+from tokenizer import PADDED_VOCAB_SIZE
+from conftest import (LIMIT, TINY_MODEL, assert_resumes_across, assert_same_run, assert_trains_as_one_process,
+                      clean_env, final_weights_diff, printed_norms, refused, run_launched, run_rank_script, run_train,
+                      stopped_after_step_3, tiny_run_args, torchrun)
 from parallel import tensor_parallel
 
 TOL = 1e-5
