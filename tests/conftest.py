@@ -152,6 +152,19 @@ def final_weights(log_dir):
     return load_model(checkpoints.list_checkpoints(str(log_dir))[-1])[0].state_dict()
 
 
+def assert_trains_as_one_process(single, log_dir, proc, ranks, tol=1e-5):
+    """A 6-step run under a layout (proc, on `ranks` ranks, its folder log_dir) trained as one process (single: its
+    folder and its CompletedProcess): the losses, val losses and final weights within tol, and clipping's gradient
+    norms within 2e-4 (a uniform scale error on the gradient would keep the losses close, AdamW and clipping hide it:
+    the norms show it); the run's end check printed the digest of its parts. Returns the largest loss difference."""
+    worst = assert_same_run(single[0], log_dir, tol)
+    assert final_weights_diff(single[0], log_dir) <= tol
+    norms, reference = printed_norms(proc.stdout), printed_norms(single[1].stdout)
+    assert len(norms) == 6 and max(abs(a - b) for a, b in zip(norms, reference)) <= 2e-4, (norms, reference)
+    assert re.search(rf"parameter sha256 \(all {ranks} rank\(s\), of the parts\): [0-9a-f]{{64}}", proc.stdout)
+    return worst
+
+
 def final_weights_diff(log_a, log_b):
     """The largest difference between two runs' final weights (0.0: bitwise equal)."""
     a, b = final_weights(log_a), final_weights(log_b)

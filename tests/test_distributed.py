@@ -24,7 +24,7 @@ import torch
 
 from conftest import (LIMIT, REPO, TORCHRUN, assert_same_run, can_create_namespaces, checkpoint_val, clean_env,
                       final_weights_diff, free_port, namespace_hosts, need, outputs_of, read_log, run_launched,
-                      run_train, start_ranks, stopped_after_step_3, tiny_run_args)
+                      run_rank_script, run_train, start_ranks, stopped_after_step_3, tiny_run_args)
 
 from parallel.world import choose_backend, detect_launch
 from compute.cpu import cpu_list, physical_cores, ranks_sharing_cpus
@@ -351,11 +351,15 @@ def test_three_hosts_over_network_namespaces_equal_one_process(data, single, tmp
 # Sharded data parallel (--shard full, FSDP2): the same training, each rank holding a part of the state
 
 
+def two_ranks_with(shard, data, tmp_path_factory):
+    """torchrun, 2 ranks, --shard `shard`: (its folder, its CompletedProcess)."""
+    log_dir = tmp_path_factory.mktemp(shard) / "log"
+    return log_dir, run_launched(tiny_run_args(data, log_dir, *EQUAL, "--shard", shard), TORCHRUN, clean_env())
+
+
 @pytest.fixture(scope="module")
 def two_ranks_sharded(data, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("sharded") / "log"
-    proc = run_launched(tiny_run_args(data, log_dir, *EQUAL, "--shard", "full"), TORCHRUN, clean_env())
-    return log_dir, proc
+    return two_ranks_with("full", data, tmp_path_factory)
 
 
 def test_torchrun_two_ranks_sharded_equals_ddp_and_one_process(single, two_ranks, two_ranks_sharded):
@@ -395,9 +399,7 @@ def test_leaving_the_group_ends_its_threads(tmp_path):
     holding theirs.)"""
     script = tmp_path / "leave_group.py"
     script.write_text(LEAVE_GROUP)
-    proc = subprocess.run([*TORCHRUN, str(script), REPO], capture_output=True, text=True, env=clean_env(),
-                          timeout=LIMIT)
-    assert proc.returncode == 0, proc.stderr
+    proc = run_rank_script(script, 2)
     assert proc.stdout.count("gloo threads left: []") == 2, proc.stdout
 
 
@@ -468,24 +470,23 @@ def test_sharded_build_starts_from_a_whole_builds_weights(tmp_path):
     that leaves it), or a sharded run would not start where a DDP run does."""
     script = tmp_path / "build_sharded.py"
     script.write_text(BUILD_SHARDED)
-    proc = subprocess.run([*TORCHRUN, str(script), REPO], capture_output=True, text=True, env=clean_env(),
-                          timeout=LIMIT)
-    assert proc.returncode == 0, proc.stderr
+    proc = run_rank_script(script, 2)
     assert proc.stdout.count("same weights 29") == 2, proc.stdout
 
 
-def test_sharded_finetune_from_pretrained_equals_ddp(data, tmp_path):
+def test_sharded_finetune_from_pretrained_equals_one_process(data, tmp_path):
     """--init_from a Hugging Face folder with --shard full: the model is built sharded and each rank copies
-    in just its pieces, one tensor at a time; the fine-tune must equal the same fine-tune under DDP."""
+    in just its pieces, one tensor at a time; the fine-tune must equal the same fine-tune on one process (and so
+    DDP's: test_torchrun_two_ranks_equal_one_process)."""
     from conftest import save_random_hf_gpt2
     save_random_hf_gpt2(tmp_path / "hf")
-    ddp = run_launched(tiny_run_args(data, tmp_path / "ddp", *EQUAL, "--init_from", tmp_path / "hf"),
-                       TORCHRUN, clean_env())
+    one = run_train(tiny_run_args(data, tmp_path / "one", *EQUAL, "--init_from", tmp_path / "hf"), env=clean_env(),
+                    timeout=LIMIT)
     sharded = run_launched(tiny_run_args(data, tmp_path / "sharded", *EQUAL, "--init_from", tmp_path / "hf",
                                          "--shard", "full"), TORCHRUN, clean_env())
-    assert "n_embd=64" in ddp.stdout and "n_embd=64" in sharded.stdout and "shard: FSDP2" in sharded.stdout
-    assert_same_run(tmp_path / "ddp", tmp_path / "sharded")
-    assert final_weights_diff(tmp_path / "ddp", tmp_path / "sharded") <= TOL
+    assert "n_embd=64" in one.stdout and "n_embd=64" in sharded.stdout and "shard: FSDP2" in sharded.stdout
+    assert_same_run(tmp_path / "one", tmp_path / "sharded")
+    assert final_weights_diff(tmp_path / "one", tmp_path / "sharded") <= TOL
 
 
 def add_a_half_written_save(log_dir):
@@ -571,9 +572,7 @@ def test_shard_errors_are_one_line(data, two_ranks_sharded, tmp_path):
 
 @pytest.fixture(scope="module")
 def two_ranks_grads(data, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("grads") / "log"
-    proc = run_launched(tiny_run_args(data, log_dir, *EQUAL, "--shard", "grads"), TORCHRUN, clean_env())
-    return log_dir, proc
+    return two_ranks_with("grads", data, tmp_path_factory)
 
 
 def test_shard_grads_equals_one_process_and_resumes(single, two_ranks_grads, tmp_path):
