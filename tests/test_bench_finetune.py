@@ -56,7 +56,8 @@ def test_padded_batch_is_the_packed_rows_examples_with_the_same_loss(tmp_path):
 
 
 @pytest.mark.parametrize("a, b", [("packed,eager,threads=1", "hf_padded,threads=1"),
-                                  ("packed,eager,threads=1", "pretrain,eager,threads=1")])
+                                  pytest.param("packed,eager,threads=1", "pretrain,eager,threads=1",
+                                               marks=pytest.mark.long)])  # (the same script: another kind of B)
 def test_bench_finetune_runs_tiny(a, b, tmp_path):
     # eager, fp32, one tiny step of each: that the script runs and reports, not how fast
     cmd = [sys.executable, os.path.join("bench", "bench_finetune.py"), "--ab", "--a", a, "--b", b, "--steps", "1",

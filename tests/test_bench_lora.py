@@ -49,10 +49,8 @@ def test_peft_trains_the_adapters_alone_as_many_as_ours(base):
     assert (args.n_layer, args.n_embd, args.block_size) == (1, 32, 64)   # the base's shape and context
 
 
-def test_runs_tiny_at_ours_hyperparameters(base, tmp_path):
-    proc = run(tmp_path, "--init_from", base, "--hf_like_ours")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout
+def assert_ran_at_ours_hyperparameters(out):
+    """Both sides ran, peft's at ours' hyperparameters and as many steps, and the gap between them was said."""
     ours_steps = re.search(r"fine-tuning: 24 examples x 1 epochs = (\d+) steps", out).group(1)
     assert f"peft, ours' hyperparameters: 24 examples x 1 epochs = {ours_steps} steps of " in out   # as many steps
     assert "betas (0.9, 0.95), weight decay 0.1, clip 1, no dropout" in out and "lr 0.001 -> 0.0001" in out
@@ -60,14 +58,16 @@ def test_runs_tiny_at_ours_hyperparameters(base, tmp_path):
     assert re.search(r"ours - peft: val loss [-+]\d\.\d{4}, accuracy [-+]\d\.\d{3}: (NOT )?within 0.05", out)
 
 
-def test_same_batches_and_first_a_give_ours_val_loss(base, tmp_path):
-    """--same_batches: peft's steps hold ours' examples and its A starts at ours': the two runs differ by their code
+def test_runs_tiny_at_ours_hyperparameters_and_same_batches_give_ours_val_loss(base, tmp_path):
+    """The script end to end at ours' hyperparameters (as many steps, the same optimizer and schedule). Then
+    --same_batches: peft's steps hold ours' examples and its A starts at ours': the two runs differ by their code
     alone, so they end at the same val loss (their own seeds' order and A give another: the first run here)."""
     gaps = []
     for flags in ([], ["--same_batches"]):
         proc = run(tmp_path / str(len(gaps)), "--init_from", base, "--hf_like_ours", "--seed", "3",
                    "--our_flags", "--seed 3", *flags)
         assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert_ran_at_ours_hyperparameters(proc.stdout)
         gaps.append(abs(float(re.search(r"ours - peft: val loss ([-+]\d\.\d{4})", proc.stdout).group(1))))
     assert gaps[1] <= 1e-4 < gaps[0]
 

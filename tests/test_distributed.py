@@ -318,7 +318,8 @@ def test_multi_host_job_without_master_addr_fails_at_once(data, tmp_path):
 # Three hosts: network namespaces joined by a bridge, one rank in each
 
 
-@pytest.mark.parametrize("shard", ["none", "full"])
+# (DDP on 3 ranks: mpirun's test above; over namespace hosts, the long lane)
+@pytest.mark.parametrize("shard", [pytest.param("none", marks=pytest.mark.long), "full"])
 def test_three_hosts_over_network_namespaces_equal_one_process(data, single, tmp_path, shard):
     """mpirun -n 3 -ppn 1 over three hosts, as MPICH's hydra would start it: each rank in its own
     network namespace, with its own address, seeing one local rank; MASTER_ADDR is rank 0's address

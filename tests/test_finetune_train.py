@@ -309,12 +309,12 @@ def test_two_ranks_and_sharded_equal_one_process(task, tmp_path):
         assert final_weights_diff(single, other) <= 1e-5
 
 
+@pytest.mark.long  # (2-3 minutes of one core; the main lane runs the demo's wiring, small: test_readme_commands.py)
 def test_the_offline_demo_learns_its_task(tmp_path):
     """python finetune.py --demo, as a user runs it: the synthetic task (sort 3 to 6 digits) prepared into its folder,
     the demo model trained on it from scratch (130 steps), the accuracy before and after, and what to run next; a second
     demo into the same folder is refused. Measured on an AMD EPYC with AVX2 only: val accuracy 0.00 -> 0.87, in 98 s
-    on 2 cores, and on one core (as here) too, in 148 s of CPU time. (Its wiring had a test of its own on a 2-step
-    run; this one run checks both.)"""
+    on 2 cores, and on one core (as here) too, in 148 s of CPU time."""
     import subprocess
     import sys
     from conftest import REPO
@@ -338,3 +338,14 @@ def test_the_offline_demo_learns_its_task(tmp_path):
     assert f"python sample.py --ckpt_path {log_dir / 'model_00130.pt'}" in stdout
     with pytest.raises(SystemExit, match="not empty"):
         finetune.main(["--demo", "--output_dir", str(out_dir)])
+
+
+def test_a_second_demo_into_the_same_folder_is_refused(tmp_path):
+    """Before any work: the demo's folder holds a task already (the long lane's demo run checks this after a real
+    one)."""
+    out_dir = tmp_path / "demo"
+    out_dir.mkdir()
+    (out_dir / "train.jsonl").write_text("{}\n")
+    with pytest.raises(SystemExit, match="not empty"):
+        finetune.main(["--demo", "--output_dir", str(out_dir)])
+    assert os.listdir(out_dir) == ["train.jsonl"]

@@ -224,8 +224,12 @@ def resumed_on_two(tmp_path, checkpoint, layout, disks, ref):
 AUTO = ["--n_layer", "6", "--n_embd", "256", "--n_head", "4", "--max_memory", "0.78"]
 
 
+# The main lane loses a node under FSDP with a disk per node (the .dcp's pieces of the lost node read from the copy
+# its neighbour kept); the long lane also under DDP on one shared folder, and under --parallel auto (~3 minutes of both
+# cores: it measures its candidates on 3 hosts, then on the 2 left)
 @pytest.mark.parametrize("layout,disks,rate",
-                         [([], False, None), (["--shard", "full"], True, None), (AUTO, True, "1gbit")],
+                         [pytest.param([], False, None, marks=pytest.mark.long), (["--shard", "full"], True, None),
+                          pytest.param(AUTO, True, "1gbit", marks=pytest.mark.long)],
                          ids=["ddp-shared-folder", "fsdp-disk-per-node", "auto-pp3-disk-per-node"])
 def test_a_node_lost_the_survivors_resume_and_finish(data, tmp_path_factory, layout, disks, rate):
     """Host 2 lost after its second checkpoint: the survivors restart on 2 hosts, resume from the newest checkpoint

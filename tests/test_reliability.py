@@ -75,8 +75,10 @@ def assert_same_as_reference(reference, log, stdout):
 
 # ----------------------------------------------------------------------------- signals
 
+# SIGINT here, SIGTERM on two ranks below (one process and SIGTERM: the long lane; the same path, another number)
 @pytest.mark.xdist_group("reliability-reference")  # both on one worker, which builds `reference` (20 s) once
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGTERM, marks=pytest.mark.long), signal.SIGINT],
+                         ids=["SIGTERM", "SIGINT"])
 def test_signal_saves_and_resume_equals_uninterrupted(data, reference, tmp_path, sig):
     log = tmp_path / "log"
     proc = start(tiny_run_args(data, log, *SLOW))
@@ -377,21 +379,29 @@ def test_resume_gives_the_same_loss_in_every_process_beside_a_cpu_load(data, tmp
 
 # ----------------------------------------------------------------------------- kill -9 under every layout
 
+# the main lane: one case, FSDP on a disk per node (the save protocol, .dcp.tmp then a rename on each disk, is one for
+# every layout: parallel/parts.py); the long lane: a pipeline on one shared folder and tensor parallel on a disk per
+# node too (about a minute of both cores each)
+SOAK_CASES = [pytest.param(["full/disks"], id="full-disks"),
+              pytest.param(["full/disks", "pp2/shared", "tp2/disks"], id="every-layout", marks=pytest.mark.long)]
+
+
 @pytest.mark.xdist_group("multiprocess-2")
-def test_kills_during_training_and_saves_under_each_layout_resume_to_the_same_weights():
-    """bench/kill_soak.py, short: 2 ranks under --shard full (a disk per node), --pp 2 (one shared folder) and --tp 2 (a
-    disk per node), each killed with SIGKILL (one rank or both, at random) once a .dcp save has begun, and resumed;
-    each ends with the uninterrupted run's digest, and no model_*.dcp folder ever lacked a piece or kept a *.tmp.
-    Kills at a random moment of training: the long soak, and test_distributed.py's kill -9 of a sharded run.
-    The long soak, 10 kills for each layout on each kind of folder: docs/reliability.md."""
+@pytest.mark.parametrize("cases", SOAK_CASES)
+def test_kills_during_training_and_saves_under_each_layout_resume_to_the_same_weights(cases):
+    """bench/kill_soak.py, short: 2 ranks under --shard full (a disk per node), and in the long lane also --pp 2 (one
+    shared folder) and --tp 2 (a disk per node), each killed with SIGKILL (one rank or both, at random) once a .dcp
+    save has begun, and resumed; each ends with the uninterrupted run's digest, and no model_*.dcp folder ever lacked a
+    piece or kept a *.tmp. Kills at a random moment of training: the long soak, and test_distributed.py's kill -9 of a
+    sharded run. The long soak, 10 kills for each layout on each kind of folder: docs/reliability.md."""
     from conftest import can_mount_privately, need
     need(can_mount_privately(), "a private mount for each rank (root, unshare)")
     proc = subprocess.run([sys.executable, "bench/kill_soak.py", "--kills", "1", "--steps", "6",
-                           "--cases", "full/disks,pp2/shared,tp2/disks"], cwd=REPO, capture_output=True, text=True,
-                          timeout=900)
+                           "--cases", ",".join(cases)], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     row = r"^\| (full|pp2|tp2) \| (disks|shared) \| 1 \(1 in a save\) \| \d+ \| (\d+) \| (\d+)/(\d+) \| 0 \|"
     rows = re.findall(row, proc.stdout, re.M)
-    assert [r[:2] for r in rows] == [("full", "disks"), ("pp2", "shared"), ("tp2", "disks")], proc.stdout
+    assert ["/".join(r[:2]) for r in rows] == cases, proc.stdout
     assert all(int(r[2]) >= 1 and r[3] == r[4] == r[2] for r in rows), proc.stdout
-    assert len(re.findall(r"kill \d: rank\(s\) [01,]+ during a save; exit codes", proc.stdout)) == 3, proc.stdout
+    saves = re.findall(r"kill \d: rank\(s\) [01,]+ during a save; exit codes", proc.stdout)
+    assert len(saves) == len(cases), proc.stdout
