@@ -208,17 +208,17 @@ class Record(TorchDispatchMode):  # every collective the step makes: DTensor's (
         return func(*args, **(kwargs or {}))
 out = {}
 for dtype in ("fp32", "bf16"):
-    tp = tensor_parallel.TensorParallel(GPT(config), SimpleNamespace(tp=2, batch_size=2, seq_len=16),
-                                        SimpleNamespace(world_size=2, rank=dist.get_rank(), device="cpu"), 3,
-                                        lambda *a: None, dtype)
+    split = tensor_parallel.TensorParallel(GPT(config), SimpleNamespace(tp=2, batch_size=2, seq_len=16),
+                                           SimpleNamespace(world_size=2, rank=dist.get_rank(), device="cpu"), 3,
+                                           lambda *a: None, dtype)
     x = torch.randint(0, 128, (2, 16))
     seen.clear()
     with Record():
-        tp.step([(x, x, None)] * 3, None, 1.0)
+        split.step([(x, x, None)] * 3, None, 1.0)
     out[dtype] = {"seen": list(seen), "plan": tensor_parallel.rank_plan(config, 2, 1, 2, 16, 3, dtype)[1]}
 if dist.get_rank() == 0:
     print(json.dumps(out))
-del tp  # the model goes before the group (world.leave_process_group says why)
+del split  # the model goes before the group (world.leave_process_group says why)
 from parallel import world
 world.leave_process_group()
 '''
