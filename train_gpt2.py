@@ -108,9 +108,10 @@ class Run:
         config, params, seq_len = self.model.config, list(self.model.parameters()), self.args.seq_len
         if self.args.pp * self.args.tp > 1:
             whole = sizes.parameters(config)[0]
-            return cpu.flops_per_token(whole, config.n_layer, config.n_embd, seq_len) / (self.args.pp * self.args.tp)
+            return sizes.flops_per_token(whole, config.n_layer, config.n_embd, seq_len) / (self.args.pp * self.args.tp)
         frozen = sum(p.numel() for p in params if not p.requires_grad)
-        return cpu.flops_per_token(sum(p.numel() for p in params), config.n_layer, config.n_embd, seq_len) - 2 * frozen
+        trained_and_frozen = sum(p.numel() for p in params)
+        return sizes.flops_per_token(trained_and_frozen, config.n_layer, config.n_embd, seq_len) - 2 * frozen
 
 def open_data_and_lock_log_dir(run):
     """The training data's loader and the val data, checked; HellaSwag's examples if they are to be measured; then

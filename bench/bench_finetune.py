@@ -124,7 +124,7 @@ def step_flops(n_params, lm_head_params, n_layer, n_embd, positions, logits, spa
     4 backward; 4 for a frozen one, LoRA's base: no weight gradient), lm_head's only at the positions whose logits
     are computed, and attention's scores and weighted sum, 12 n_layer n_embd per query and key in each span
     attended over (an example, a row, a padded batch row). For rows of T attended whole it is
-    cpu.flops_per_token(...) per position, as bench_train.py counts. (frozen: the frozen parameters but lm_head.)"""
+    sizes.flops_per_token(...) per position, as bench_train.py counts. (frozen: the frozen parameters but lm_head.)"""
     lm_head_flops = (4 if frozen else 6) * lm_head_params * logits
     return ((6 * (n_params - lm_head_params) - 2 * frozen) * positions + lm_head_flops
             + 12 * n_layer * n_embd * sum(s * s for s in spans))

@@ -25,6 +25,9 @@ import torch
 
 import common  # before plumbing: it puts the repository root on sys.path
 from compute import cpu, speedups
+from model import GPTConfig
+from parallel import sizes
+from tokenizer import PADDED_VOCAB_SIZE
 
 REPO = common.REPO
 SHAPES = {"small": (12, 12, 768), "medium": (24, 16, 1024), "large": (36, 20, 1280), "xl": (48, 25, 1600)}
@@ -63,9 +66,10 @@ def main():
     args.dtype, dtype_line = speedups.resolve_dtype(args.dtype, "cpu", n_embd)
     print(cpu.describe_cpu(torch.get_num_threads()) + " per rank")
     print(dtype_line)
-    n_params = 12 * n_layer * n_embd**2 + 50304 * n_embd + 1024 * n_embd  # blocks, embeddings (lm_head tied)
+    config = GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=PADDED_VOCAB_SIZE)
+    n_params = sizes.parameters(config)[0]  # blocks, embeddings (lm_head tied)
     print(f"GPT-2 {args.model} shape: {n_params / 1e6:.0f}M parameters, {args.ranks} ranks, B=1, T={args.seq_len}, "
-          f"{args.dtype}; training state (weights, gradients, AdamW) {16 * n_params / 2**30:.1f} GiB in all")
+          f"{args.dtype}; training state (weights, gradients, AdamW) {sizes.gib(sizes.STATE_BYTES * n_params)} in all")
     with tempfile.TemporaryDirectory() as tmp:
         rng = np.random.default_rng(0)
         for name, n in (("bench_val_000000.npy", 4096),

@@ -57,6 +57,7 @@ import torch.nn.functional as F
 
 import common  # before train_gpt2: it puts the repository root on sys.path
 from compute import cpu, fused_loss, speedups
+from parallel import sizes
 from tokenizer import PADDED_VOCAB_SIZE
 from model import GPTConfig
 
@@ -140,7 +141,7 @@ def start_workers(args):
         workers[-1].ready()
     info = workers[0].info
     tokens = {w.name: w.cfg.get("batch_size", args.batch_size) * args.seq_len * args.grad_accum for w in workers}
-    flops_per_token = cpu.flops_per_token(info["n_params"], args.n_layer, args.n_embd, args.seq_len)
+    flops_per_token = sizes.flops_per_token(info["n_params"], args.n_layer, args.n_embd, args.seq_len)
     print(f"GPT: {args.n_layer} layers, {args.n_embd} wide, {info['n_params'] / 1e6:.2f}M parameters; "
           f"B={args.batch_size} T={args.seq_len}, {args.grad_accum} micro-step(s) per step; "
           f"{flops_per_token / 1e9:.3f} GFLOP per token")

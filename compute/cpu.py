@@ -344,9 +344,3 @@ class MatmulRate:
             note = (f" (measured again: the step beat the {rate_text(old)} GFLOP/s on record; "
                     f"now {rate_text(self.gflops)})")
         return f" | {100 * gflops / self.gflops:.0f}% of this CPU's {self.name} matmul rate{note}"
-
-def flops_per_token(n_params, n_layer, n_embd, seq_len):
-    """Training FLOPs per token (forward + backward): 6 per parameter (2 forward, 4 backward), plus
-    attention's scores and weighted sum, 12 n_layer n_embd T (PaLM, appendix B)."""
-    return 6 * n_params + 12 * n_layer * n_embd * seq_len
-

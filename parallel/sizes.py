@@ -1,8 +1,9 @@
 """
 What every layout, the planner of --parallel auto and --hours count alike, written once: a GPT-2's parameters (the
-whole model's, a block's, a stage's, a tensor-parallel rank's), the bytes a rank's training needs, GiB, the accumulation
-steps and a micro-batch's weight in the step's mean loss, and a sharded tensor's local piece and whole. It imports
-nothing of the project above compute/ (the loss's ignored label): every other module of parallel/ may use it.
+whole model's, a block's, a stage's, a tensor-parallel rank's), a token's training FLOPs, the bytes a rank's training
+needs, GiB, the accumulation steps and a micro-batch's weight in the step's mean loss, and a sharded tensor's local
+piece and whole. It imports nothing of the project above compute/ (the loss's ignored label): every other module of
+parallel/ may use it.
 """
 import torch
 
@@ -38,6 +39,11 @@ def parameters(config):
     """(all of them, one block's, the embeddings' (wte, wpe))."""
     return (stage_parameters(config, 0, config.n_layer, True, True), block_parameters(config.n_embd),
             (config.vocab_size + config.block_size) * config.n_embd)
+
+def flops_per_token(n_params, n_layer, n_embd, seq_len):
+    """Training FLOPs per token (forward + backward): 6 per parameter (2 forward, 4 backward), plus
+    attention's scores and weighted sum, 12 n_layer n_embd T (PaLM, appendix B)."""
+    return 6 * n_params + 12 * n_layer * n_embd * seq_len
 
 # -----------------------------------------------------------------------------
 # Memory: what a rank needs at its peak, as measured

@@ -46,7 +46,7 @@ def duration(seconds):
 MATMUL_SHARE = 0.6  # a training step reaches 60-90% of this CPU's measured matmul rate (docs/performance.md)
 
 def forecast(run, start_step):
-    """'time: ...' how long the run's steps will take here: their FLOPs (cpu.flops_per_token, on each replica) at
+    """'time: ...' how long the run's steps will take here: their FLOPs (sizes.flops_per_token, on each replica) at
     MATMUL_SHARE of the matmul rate measured for the model's width and dtype (run.share_of_matmul_rate measures it,
     once); evaluations not counted. A run longer than an hour names --hours."""
     run.share_of_matmul_rate(float("inf"))  # (a step of no speed: only sets run.flops_per_token, run.matmul_rate)

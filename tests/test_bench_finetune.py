@@ -12,7 +12,7 @@ from conftest import REPO
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
 import bench_finetune  # noqa: E402
-from compute import cpu  # noqa: E402
+from parallel import sizes  # noqa: E402
 import dataloader  # noqa: E402
 from dataloader import TaskLoader  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_flops_of_whole_rows_are_bench_train_s():
     n_params, n_layer, n_embd, B, T = 124_475_904, 12, 768, 4, 1024
     ours = bench_finetune.step_flops(n_params, 50304 * n_embd, n_layer, n_embd, B * T, B * T, [T] * B)
-    assert ours == cpu.flops_per_token(n_params, n_layer, n_embd, T) * B * T
+    assert ours == sizes.flops_per_token(n_params, n_layer, n_embd, T) * B * T
     # a packed row of two examples: attention only inside each, lm_head only on the picked positions
     packed = bench_finetune.step_flops(n_params, 50304 * n_embd, n_layer, n_embd, T, 100, [600, 424])
     assert packed == (6 * (n_params - 50304 * n_embd) * T + 6 * 50304 * n_embd * 100

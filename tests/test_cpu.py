@@ -21,6 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import make_shards, run_train, tiny_run_args
 from compute import cpu, speedups
+from parallel import sizes
 from plumbing.common import read_json, write_json
 from model import GPT, GPTConfig
 
@@ -419,7 +420,7 @@ def test_flops_per_token_counts_what_the_matmuls_do():
         loss.backward()
     counted = counter.get_total_flops() / x.numel()
     n_params = sum(p.numel() for p in model.parameters()) - model.transformer.wpe.weight.numel()  # a lookup, no matmul
-    ours = cpu.flops_per_token(n_params, config.n_layer, config.n_embd, T)
+    ours = sizes.flops_per_token(n_params, config.n_layer, config.n_embd, T)
     assert abs(ours - counted) / counted < 0.02, (ours, counted)  # (ours counts biases and LayerNorms too)
 
 
